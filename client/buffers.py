@@ -1,0 +1,37 @@
+"""Flat byte views of caller buffers (bytes, bytearray, memoryview, numpy, torch)."""
+
+from __future__ import annotations
+
+from kvstore_client.errors import InvalidValue
+
+
+def byte_view(obj: object, *, writable: bool = False) -> memoryview:
+    """A 1-D unsigned-byte memoryview of ``obj`` without copying.
+
+    Raises InvalidValue for objects that do not expose a C-contiguous buffer,
+    or that are read-only when ``writable`` is asked for.
+    """
+    if type(obj).__module__.startswith("torch"):
+        obj = _torch_bytes(obj)
+    try:
+        mv = memoryview(obj)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidValue(f"{type(obj).__name__} does not support the buffer protocol") from None
+    if not mv.c_contiguous:
+        raise InvalidValue("buffer must be C-contiguous")
+    if writable and mv.readonly:
+        raise InvalidValue("buffer is read-only")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def _torch_bytes(tensor):  # pragma: no cover - exercised only where torch is installed
+    """A CPU tensor's storage as a numpy uint8 view (no copy)."""
+    if tensor.device.type != "cpu":
+        raise InvalidValue("only CPU tensors can be read or written directly; copy to host first")
+    if not tensor.is_contiguous():
+        raise InvalidValue("tensor must be contiguous")
+    import torch
+
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()

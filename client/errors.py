@@ -1,0 +1,48 @@
+"""Typed errors shared by the SDK and the server.
+
+Every rejected call raises one of these; a rejected call never changes what
+is already stored.  Services map each class to one status code at their edge.
+"""
+
+
+class KVStoreError(Exception):
+    """Base class of every error kvstore raises on purpose."""
+
+
+class InvalidKey(KVStoreError, ValueError):
+    """A key is malformed: wrong type, empty, or longer than allowed."""
+
+
+class UnknownNamespace(KVStoreError, KeyError):
+    """The namespace was not declared on a store that declares namespaces."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message plain
+        return str(self.args[0]) if self.args else "unknown namespace"
+
+
+class InvalidValue(KVStoreError, ValueError):
+    """A value is empty, too large, or not a contiguous buffer."""
+
+
+class BufferTooSmall(KVStoreError, ValueError):
+    """The caller's buffer cannot hold the block; ``needed`` says how many bytes it must have."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
+
+
+class ConfigError(KVStoreError, ValueError):
+    """A configuration cannot work, e.g. a tier smaller than one block."""
+
+
+class CapacityError(KVStoreError):
+    """No space could be made for a block: everything evictable is pinned or being read."""
+
+
+class ReservationError(KVStoreError):
+    """A two-phase put was used out of order: committed twice, written after revoke, etc."""
+
+
+class ChecksumMismatch(KVStoreError):
+    """Bytes read back do not match the checksum stored with them."""

@@ -1,0 +1,73 @@
+"""Configuration of one node's block store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore_client.errors import ConfigError
+from kvstore.policy import POLICIES
+from kvstore.units import format_size, parse_size
+
+MiB = 1 << 20
+
+
+@dataclass
+class StoreConfig:
+    """What a BlockStore holds and how it makes room.
+
+    Sizes accept ints or strings with units ("8GiB"). ``max_block_bytes`` is
+    the largest value accepted; each tier must hold at least one such block.
+    Eviction starts when a tier passes ``high_watermark`` of its capacity and
+    runs, in batches of ``eviction_batch`` blocks, until it is under
+    ``low_watermark``: in a background thread when ``background_eviction``,
+    else (and always as a last resort) inline on the put that found no room.
+    """
+
+    dram_capacity: int | str = 1 << 30
+    ssd_path: str | None = None
+    ssd_capacity: int | str = 0
+    ssd_sync: bool = False
+    policy: str = "lru"
+    ssd_policy: str | None = None
+    max_block_bytes: int | str = 16 * MiB
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    eviction_batch: int = 64
+    background_eviction: bool = True
+    promote_on_hit: bool = True
+    verify_dram_reads: bool = False
+    namespaces: frozenset[str] | None = None
+    granule: int = 4096
+    prefault: bool = False
+    arena_name: str | None = None
+
+    def __post_init__(self) -> None:
+        self.dram_capacity = parse_size(self.dram_capacity)
+        self.ssd_capacity = parse_size(self.ssd_capacity)
+        self.max_block_bytes = parse_size(self.max_block_bytes)
+        if self.ssd_policy is None:
+            self.ssd_policy = self.policy
+        for name in (self.policy, self.ssd_policy):
+            if name not in POLICIES:
+                raise ConfigError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")
+        if self.max_block_bytes <= 0:
+            raise ConfigError("max_block_bytes must be positive")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ConfigError("need 0 < low_watermark <= high_watermark <= 1")
+        if self.granule <= 0 or self.granule & (self.granule - 1):
+            raise ConfigError("granule must be a power of two")
+        if self.eviction_batch <= 0:
+            raise ConfigError("eviction_batch must be positive")
+        granules = -(-self.max_block_bytes // self.granule)
+        self._check_tier("dram", self.dram_capacity // self.granule * self.granule, granules * self.granule)
+        if self.ssd_path is not None:
+            self._check_tier("ssd", self.ssd_capacity, self.max_block_bytes)
+        if self.namespaces is not None:
+            self.namespaces = frozenset(self.namespaces)
+
+    def _check_tier(self, name: str, capacity: int, block_footprint: int) -> None:
+        if capacity < block_footprint:
+            raise ConfigError(
+                f"{name} tier of {format_size(capacity)} is smaller than one block "
+                f"(max_block_bytes {format_size(self.max_block_bytes)}): raise the capacity or lower max_block_bytes"
+            )

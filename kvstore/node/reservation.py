@@ -1,0 +1,72 @@
+"""The writable half of a two-phase put."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvstore_client.errors import ReservationError
+
+if TYPE_CHECKING:
+    from kvstore.node.store import BlockStore
+    from kvstore.tiers.dram import Extent
+
+
+class Reservation:
+    """Space reserved in the DRAM arena for one block, not yet visible to readers.
+
+    Write the value into ``buffer`` (a writable memoryview of exactly the
+    reserved size), then ``commit()`` to publish it or ``revoke()`` to free the
+    space. As a context manager it commits on success and revokes on error; a
+    reservation dropped without either is revoked when collected.
+    Not meant to be shared between threads.
+    """
+
+    __slots__ = ("key", "size", "depth", "buffer", "_store", "_extent", "__weakref__")
+
+    def __init__(self, store: "BlockStore", key, extent: "Extent", depth: int):
+        self.key = key
+        self.size = extent.size
+        self.depth = depth
+        self._store = store
+        self._extent: "Extent | None" = extent
+        self.buffer = store._dram.writable(extent)
+
+    @property
+    def open(self) -> bool:
+        return self._extent is not None
+
+    def commit(self) -> None:
+        """Publish the written bytes under the key (checksummed now)."""
+        extent = self._take()
+        self.buffer.release()
+        self._store._commit(self.key, extent, self.depth)
+
+    def revoke(self) -> None:
+        """Give the space back; nothing becomes visible."""
+        extent = self._take()
+        self.buffer.release()
+        self._store._dram.abort(extent)
+
+    def _take(self) -> "Extent":
+        extent, self._extent = self._extent, None
+        if extent is None:
+            raise ReservationError(f"reservation for {self.key!r:.60} was already committed or revoked")
+        return extent
+
+    def __enter__(self) -> "Reservation":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._extent is None:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.revoke()
+
+    def __del__(self) -> None:
+        if getattr(self, "_extent", None) is not None:
+            try:
+                self.revoke()
+            except Exception:  # interpreter shutdown or a closed store: nothing to give back to
+                pass

@@ -1,0 +1,360 @@
+"""BlockStore: a node's paged KV-block store, usable in-process like an embedded database.
+
+Blocks live in a DRAM tier (a shared-memory arena) and, when configured, an
+SSD tier (lmdb). Writers reserve DRAM, write, and commit; eviction runs off
+the request path (see :mod:`kvstore.node.tiering`) and demotes DRAM victims to
+SSD; SSD hits are promoted back to DRAM.
+
+Thread-safe. Locks, always taken in this order:
+  1. ``Tiering.evict_lock`` - one eviction pass at a time;
+  2. ``BlockStore._lock``    - the block table, both policies, the counters;
+  3. each tier's own lock    - its index and allocator (never held across I/O).
+Bytes are copied outside ``_lock``, protected by DRAM read leases.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
+
+import xxhash
+
+from kvstore_client.buffers import byte_view
+from kvstore_client.errors import BufferTooSmall, CapacityError, InvalidValue, UnknownNamespace
+from kvstore_client.keys import BlockKey, check_key
+from kvstore.node.block_table import DRAM, SSD, TIER_NAMES, BlockMeta, TierCounters
+from kvstore.node.config import StoreConfig
+from kvstore.node.reservation import Reservation
+from kvstore.node.tiering import Tiering
+from kvstore.policy import make_policy
+from kvstore.tiers.dram import DramTier, Extent
+
+_checksum = xxhash.xxh3_64_intdigest
+
+# A listener gets (event, key, tier name) for "stored", "moved" and "removed";
+# it runs under the store lock, so it must only hand the event off (e.g. queue it).
+Listener = Callable[[str, BlockKey, str], None]
+
+
+class BlockStore:
+    """Paged KV blocks in DRAM and SSD tiers with pluggable eviction."""
+
+    def __init__(self, config: StoreConfig | None = None, **overrides):
+        self.config = config = config or StoreConfig(**overrides)
+        self._lock = threading.Lock()
+        self._table: dict[BlockKey, BlockMeta] = {}
+        self._dram = DramTier(config.dram_capacity, granule=config.granule, prefault=config.prefault,
+                              arena_name=config.arena_name)
+        self._ssd = None
+        self._policies = [make_policy(config.policy), make_policy(config.ssd_policy)]
+        self._counters = [TierCounters(), TierCounters()]
+        self._listeners: list[Listener] = []
+        self._closed = False
+        if config.ssd_path is not None:
+            from kvstore.tiers.ssd import SsdTier
+
+            self._ssd = SsdTier(config.ssd_path, config.ssd_capacity, sync=config.ssd_sync)
+            self._index_ssd()
+        self._tiering = Tiering(self)
+        if config.background_eviction:
+            self._tiering.start()
+
+    def _index_ssd(self) -> None:
+        """Re-index blocks that survived in the SSD tier from an earlier run."""
+        for key, size, depth in self._ssd.inventory():
+            self._table[key] = BlockMeta(SSD, size, depth)
+            self._policies[SSD].add(key, depth=depth)
+        self._counters[SSD].checksum_failures = self._ssd.checksum_failures
+
+    # -- validation ---------------------------------------------------------------
+    def _check_key(self, key: BlockKey) -> BlockKey:
+        key = check_key(key)
+        allowed = self.config.namespaces
+        if allowed is not None and key[0] not in allowed:
+            raise UnknownNamespace(f"namespace {key[0]!r} is not declared on this store")
+        return key
+
+    def _check_size(self, size: int) -> None:
+        if size <= 0:
+            raise InvalidValue("a block value cannot be empty")
+        if size > self.config.max_block_bytes:
+            raise InvalidValue(f"value of {size} bytes exceeds max_block_bytes {self.config.max_block_bytes}")
+
+    # -- writes ---------------------------------------------------------------------
+    def reserve(self, key: BlockKey, size: int, *, depth: int = 0) -> Reservation:
+        """Reserve DRAM for a block of ``size`` bytes; write into ``.buffer`` then commit.
+
+        Makes room inline (evicting or demoting) only when the background
+        evictor has not kept enough free; raises CapacityError when even that
+        cannot free space (everything left is pinned or being read).
+        """
+        key = self._check_key(key)
+        self._check_size(size)
+        if depth < 0:
+            raise InvalidValue("depth cannot be negative")
+        extent = self._dram.reserve(size) or self._tiering.make_room(size)
+        if extent is None:
+            raise CapacityError(f"no room for a {size}-byte block: the DRAM tier holds only pinned or leased blocks")
+        self._tiering.poke()
+        return Reservation(self, key, extent, depth)
+
+    def put(self, key: BlockKey, value, *, depth: int = 0) -> None:
+        """Store ``value`` (any contiguous buffer) under ``key``, replacing an older value."""
+        data = byte_view(value)
+        with self.reserve(key, len(data), depth=depth) as res:
+            res.buffer[:] = data
+
+    def _commit(self, key: BlockKey, extent: Extent, depth: int) -> None:
+        """Publish a written extent (called by Reservation.commit)."""
+        checksum = _checksum(self._dram.writable(extent))
+        with self._lock:
+            if self._closed:
+                self._dram.abort(extent)
+                raise CapacityError("store is closed")
+            old = self._table.get(key)
+            meta = BlockMeta(DRAM, extent.size, depth)
+            if old is not None:
+                meta.hits, meta.pins = old.hits, old.pins
+                self._policies[old.tier].discard(key)
+                if old.tier == SSD:
+                    self._ssd.discard(key)
+            self._dram.commit(key, extent, checksum)
+            self._table[key] = meta
+            if not meta.pins:
+                self._policies[DRAM].add(key, depth=depth, hits=meta.hits)
+            self._emit("stored", key, DRAM)
+
+    # -- reads ------------------------------------------------------------------------
+    def get(self, key: BlockKey) -> bytes | None:
+        """The block's bytes, or None on a miss."""
+        key = self._check_key(key)
+        meta, extent = self._lookup(key)
+        if meta is None:
+            return None
+        if extent is not None:
+            try:
+                view = self._verified(key, extent)
+                return None if view is None else bytes(view)
+            finally:
+                self._dram.release(extent)
+        out = bytearray(meta.size)
+        n = self._read_ssd(key, meta, memoryview(out))
+        return None if n is None else bytes(out[:n])
+
+    def get_into(self, key: BlockKey, buffer) -> int | None:
+        """Copy the block into ``buffer``; its size, or None on a miss.
+
+        Raises BufferTooSmall (with ``.needed``) when the buffer cannot hold it.
+        """
+        key = self._check_key(key)
+        out = byte_view(buffer, writable=True)
+        meta, extent = self._lookup(key)
+        if meta is None:
+            return None
+        if extent is not None:
+            try:
+                if len(out) < extent.size:
+                    raise BufferTooSmall(f"block is {extent.size} bytes, buffer holds {len(out)}", extent.size)
+                view = self._verified(key, extent)
+                if view is None:
+                    return None
+                out[: extent.size] = view
+                return extent.size
+            finally:
+                self._dram.release(extent)
+        if len(out) < meta.size:
+            raise BufferTooSmall(f"block is {meta.size} bytes, buffer holds {len(out)}", meta.size)
+        return self._read_ssd(key, meta, out)
+
+    @contextmanager
+    def read(self, key: BlockKey) -> Iterator[memoryview | None]:
+        """Zero-copy read: a read-only view of the block in the arena while the
+        ``with`` block runs (the block cannot be evicted meanwhile), or None."""
+        key = self._check_key(key)
+        meta, extent = self._lookup(key)
+        if extent is None:
+            data = None if meta is None else self.get(key)
+            yield None if data is None else memoryview(data)
+            return
+        try:
+            yield self._verified(key, extent)
+        finally:
+            self._dram.release(extent)
+
+    def _lookup(self, key: BlockKey) -> tuple[BlockMeta | None, Extent | None]:
+        """Find a block, count the hit or miss, and lease it if it is in DRAM."""
+        with self._lock:
+            meta = self._table.get(key)
+            if meta is None:
+                self._counters[DRAM].misses += 1
+                if self._ssd is not None:
+                    self._counters[SSD].misses += 1
+                return None, None
+            meta.hits += 1
+            self._policies[meta.tier].touch(key)
+            if meta.tier == DRAM:
+                self._counters[DRAM].hits += 1
+                return meta, self._dram.acquire(key)
+            self._counters[DRAM].misses += 1
+            return meta, None
+
+    def _verified(self, key: BlockKey, extent: Extent) -> memoryview | None:
+        """View of a leased DRAM block; with verify_dram_reads, None (and the
+        block dropped) when its bytes no longer match their checksum."""
+        view = self._dram.view(extent)
+        if self.config.verify_dram_reads and _checksum(view) != extent.checksum:
+            with self._lock:
+                self._counters[DRAM].checksum_failures += 1
+                meta = self._table.get(key)
+                if meta is not None and self._dram.current(key) is extent:
+                    self._forget(key, meta)
+            return None
+        return view
+
+    def _read_ssd(self, key: BlockKey, meta: BlockMeta, out: memoryview) -> int | None:
+        """Read a block from SSD into ``out`` (checksum verified), promoting it when configured."""
+        n = self._ssd.get_into(key, out)
+        with self._lock:
+            if n is None:
+                self._counters[SSD].misses += 1
+                self._counters[SSD].checksum_failures = self._ssd.checksum_failures
+                if self._table.get(key) is meta and not self._ssd.contains(key):
+                    self._forget(key, meta)
+                return None
+            self._counters[SSD].hits += 1
+        if self.config.promote_on_hit:
+            self._tiering.promote(key, meta, out[:n])
+        return n
+
+    # -- lookups without reading ---------------------------------------------------------
+    def exists(self, key: BlockKey) -> bool:
+        return self._check_key(key) in self._table
+
+    def batch_exists(self, keys: Iterable[BlockKey]) -> list[bool]:
+        keys = [self._check_key(k) for k in keys]
+        table = self._table
+        return [k in table for k in keys]
+
+    def match_prefix(self, keys: Iterable[BlockKey]) -> int:
+        """How many leading keys of a prefix chain are stored (in any tier)."""
+        count = 0
+        table = self._table
+        for key in keys:
+            if self._check_key(key) not in table:
+                break
+            count += 1
+        return count
+
+    def size_of(self, key: BlockKey) -> int | None:
+        meta = self._table.get(self._check_key(key))
+        return None if meta is None else meta.size
+
+    def tier_of(self, key: BlockKey) -> str | None:
+        meta = self._table.get(self._check_key(key))
+        return None if meta is None else TIER_NAMES[meta.tier]
+
+    def keys(self, namespace: str | None = None) -> list[BlockKey]:
+        with self._lock:
+            return [k for k in self._table if namespace is None or k[0] == namespace]
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    # -- removal and pinning ------------------------------------------------------------
+    def remove(self, key: BlockKey) -> bool:
+        """Drop the block from every tier; False if it was not stored."""
+        key = self._check_key(key)
+        with self._lock:
+            meta = self._table.get(key)
+            if meta is None:
+                return False
+            self._forget(key, meta)
+            return True
+
+    def pin(self, key: BlockKey) -> bool:
+        """Keep the block from eviction until a matching unpin; False if absent. Pins nest."""
+        key = self._check_key(key)
+        with self._lock:
+            meta = self._table.get(key)
+            if meta is None:
+                return False
+            meta.pins += 1
+            if meta.pins == 1:
+                self._policies[meta.tier].discard(key)
+            return True
+
+    def unpin(self, key: BlockKey) -> bool:
+        """Undo one pin; False if the block is absent or not pinned."""
+        key = self._check_key(key)
+        with self._lock:
+            meta = self._table.get(key)
+            if meta is None or meta.pins == 0:
+                return False
+            meta.pins -= 1
+            if meta.pins == 0:
+                self._policies[meta.tier].add(key, depth=meta.depth, hits=meta.hits)
+            return True
+
+    def _forget(self, key: BlockKey, meta: BlockMeta) -> None:
+        """Under _lock: remove a block from the table, its policy and its tier."""
+        del self._table[key]
+        self._policies[meta.tier].discard(key)
+        if meta.tier == DRAM:
+            self._dram.discard(key)
+        else:
+            self._ssd.discard(key)
+        self._emit("removed", key, meta.tier)
+
+    # -- events, stats, lifecycle ----------------------------------------------------------
+    def subscribe(self, listener: Listener) -> None:
+        """Call ``listener(event, key, tier)`` on every stored/moved/removed block."""
+        self._listeners.append(listener)
+
+    def _emit(self, event: str, key: BlockKey, tier: int) -> None:
+        for listener in self._listeners:
+            listener(event, key, TIER_NAMES[tier])
+
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        """Per-tier capacity, use and counters; plus store-wide figures."""
+        with self._lock:
+            tiers = {"dram": self._tier_stats(DRAM, self._dram)}
+            if self._ssd is not None:
+                self._counters[SSD].checksum_failures = self._ssd.checksum_failures
+                tiers["ssd"] = self._tier_stats(SSD, self._ssd)
+            tiers["store"] = {
+                "blocks": len(self._table),
+                "pinned": sum(1 for m in self._table.values() if m.pins),
+                "inline_evictions": self._tiering.inline_passes,
+                "dram_fragmentation": round(self._dram.fragmentation(), 4),
+            }
+            return tiers
+
+    def _tier_stats(self, tier: int, backend) -> dict[str, int]:
+        return {
+            "capacity": backend.capacity_bytes,
+            "used": backend.used_bytes,
+            "blocks": len(backend),
+            **self._counters[tier].as_dict(),
+        }
+
+    def evict(self) -> None:
+        """Run one watermark-driven eviction pass now (the background thread does this by itself)."""
+        self._tiering.run_once()
+
+    def close(self) -> None:
+        """Stop the evictor and release both tiers; SSD contents stay on disk."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._tiering.stop()
+        self._dram.close()
+        if self._ssd is not None:
+            self._ssd.close()
+
+    def __enter__(self) -> "BlockStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,218 @@
+"""Making room: watermark eviction, demotion DRAM -> SSD, promotion SSD -> DRAM.
+
+Mechanism only: which block goes is the tier's policy's call. Eviction runs
+in a background thread woken when a tier passes its high watermark, and
+works in batches until the tier is under its low watermark. A pass takes the
+store lock only to choose victims and to switch their state; the SSD writes
+of a demotion batch happen outside it, while the victims' DRAM extents are
+leased so their bytes stay put.
+
+``evict_lock`` serialises passes (background and inline); it is taken before
+the store lock, never after.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from kvstore.node.block_table import DRAM, SSD
+from kvstore.tiers.dram import Extent
+
+if TYPE_CHECKING:
+    from kvstore.node.store import BlockStore
+
+log = logging.getLogger(__name__)
+
+
+class Tiering:
+    """Eviction, demotion and promotion for one BlockStore."""
+
+    def __init__(self, store: "BlockStore"):
+        self._store = store
+        self.evict_lock = threading.Lock()
+        self.inline_passes = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        cfg = store.config
+        self._high, self._low = cfg.high_watermark, cfg.low_watermark
+
+    # -- background thread ------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvstore-evictor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def poke(self) -> None:
+        """Wake the evictor when a tier is over its high watermark."""
+        if self._thread is not None and self._over_high():
+            self._wake.set()
+
+    def _over_high(self) -> bool:
+        dram, ssd = self._store._dram, self._store._ssd
+        if dram.used_bytes > self._high * dram.capacity_bytes:
+            return True
+        return ssd is not None and ssd.used_bytes > self._high * ssd.capacity_bytes
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.1)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.run_once()
+            except Exception:  # keep evicting later rather than die silently
+                log.exception("eviction pass failed")
+
+    # -- passes -----------------------------------------------------------------------
+    def run_once(self) -> None:
+        """Bring every tier over its high watermark down to its low watermark."""
+        with self.evict_lock:
+            dram = self._store._dram
+            if dram.used_bytes > self._high * dram.capacity_bytes:
+                self._evict_dram_to(int(self._low * dram.capacity_bytes))
+            ssd = self._store._ssd
+            if ssd is not None and ssd.used_bytes > self._high * ssd.capacity_bytes:
+                self._evict_ssd(ssd.used_bytes - int(self._low * ssd.capacity_bytes))
+
+    def _evict_dram_to(self, target_used: int) -> None:
+        dram, batch = self._store._dram, self._store.config.eviction_batch
+        while dram.used_bytes > target_used:
+            if not self._evict_dram(dram.used_bytes - target_used, batch):
+                return
+
+    def make_room(self, size: int) -> Extent | None:
+        """Inline last resort for a put that found no free extent: evict until
+        ``size`` bytes fit, then reserve them. None when nothing more can go."""
+        dram = self._store._dram
+        with self.evict_lock:
+            self.inline_passes += 1
+            while True:
+                extent = dram.reserve(size)
+                if extent is not None:
+                    return extent
+                footprint = dram.footprint(size)
+                shortfall = footprint - (dram.capacity_bytes - dram.used_bytes)
+                wanted = shortfall if shortfall > 0 else footprint  # free but fragmented: free more
+                if not self._evict_dram(wanted, self._store.config.eviction_batch):
+                    return dram.reserve(size)
+
+    # -- DRAM -> SSD or out ----------------------------------------------------------------
+    def _evict_dram(self, wanted: int, max_blocks: int) -> int:
+        """Demote (or drop, without SSD) up to ``max_blocks`` DRAM victims
+        totalling at least ``wanted`` bytes; returns how many left DRAM."""
+        store = self._store
+        victims = self._choose_dram_victims(wanted, max_blocks)
+        if not victims:
+            return 0
+        stored = [False] * len(victims)
+        if store._ssd is not None:
+            stored = self._write_to_ssd(victims)
+        moved = 0
+        with store._lock:
+            for (key, meta, extent), on_ssd in zip(victims, stored):
+                current = store._table.get(key) is meta and meta.tier == DRAM and not meta.pins
+                if current and store._dram.current(key) is extent:
+                    store._dram.discard(key)
+                    moved += 1
+                    if on_ssd:
+                        meta.tier = SSD
+                        store._policies[SSD].add(key, depth=meta.depth, hits=meta.hits)
+                        store._counters[DRAM].demotions += 1
+                        store._emit("moved", key, SSD)
+                    else:
+                        del store._table[key]
+                        store._counters[DRAM].evictions += 1
+                        store._emit("removed", key, DRAM)
+                elif on_ssd:  # replaced, removed or pinned meanwhile: the copy is stale
+                    store._ssd.discard(key)
+                store._dram.release(extent)
+        return moved
+
+    def _choose_dram_victims(self, wanted: int, max_blocks: int) -> list:
+        """Under the store lock: pop victims, skipping blocks being read, and
+        lease each victim's extent so its bytes survive until it is moved."""
+        store = self._store
+        policy, dram, table = store._policies[DRAM], store._dram, store._table
+        victims, skipped, total = [], [], 0
+        with store._lock:
+            while total < wanted and len(victims) < max_blocks:
+                key = policy.pop_victim()
+                if key is None:
+                    break
+                meta = table.get(key)
+                if meta is None or meta.tier != DRAM or meta.pins:
+                    continue
+                if dram.is_leased(key):
+                    skipped.append((key, meta))
+                    continue
+                victims.append((key, meta, dram.acquire(key)))
+                total += dram.footprint(meta.size)
+            for key, meta in skipped:
+                policy.add(key, depth=meta.depth, hits=meta.hits)
+        return victims
+
+    def _write_to_ssd(self, victims: list) -> list[bool]:
+        ssd, dram = self._store._ssd, self._store._dram
+        incoming = sum(meta.size for _, meta, _ in victims)
+        if ssd.used_bytes + incoming > self._high * ssd.capacity_bytes:
+            self._evict_ssd(ssd.used_bytes + incoming - int(self._low * ssd.capacity_bytes))
+        items = [(key, dram.view(extent), extent.checksum, meta.depth) for key, meta, extent in victims]
+        return ssd.put_many(items)
+
+    # -- SSD out ----------------------------------------------------------------------------
+    def _evict_ssd(self, wanted: int) -> None:
+        """Drop SSD victims totalling at least ``wanted`` bytes."""
+        store = self._store
+        policy, table, victims, freed = store._policies[SSD], store._table, [], 0
+        with store._lock:
+            while freed < wanted:
+                key = policy.pop_victim()
+                if key is None:
+                    break
+                meta = table.get(key)
+                if meta is None or meta.tier != SSD or meta.pins:
+                    continue
+                del table[key]
+                victims.append(key)
+                freed += meta.size
+                store._counters[SSD].evictions += 1
+                store._emit("removed", key, SSD)
+        if victims:
+            store._ssd.discard_many(victims)
+
+    # -- SSD -> DRAM ----------------------------------------------------------------------------
+    def promote(self, key, meta, data: memoryview) -> None:
+        """Copy a block just read from SSD into DRAM and make DRAM its home.
+        Best effort: never evicts inline; skipped when DRAM has no free extent."""
+        store, dram = self._store, self._store._dram
+        extent = dram.reserve(len(data))
+        if extent is None:
+            self.poke()
+            return
+        dram.writable(extent)[:] = data
+        checksum = xxhash.xxh3_64_intdigest(data)
+        with store._lock:
+            if store._table.get(key) is meta and meta.tier == SSD and not store._closed:
+                store._ssd.discard(key)
+                store._policies[SSD].discard(key)
+                dram.commit(key, extent, checksum)
+                extent = None
+                meta.tier = DRAM
+                if not meta.pins:
+                    store._policies[DRAM].add(key, depth=meta.depth, hits=meta.hits)
+                store._counters[SSD].promotions += 1
+                store._emit("moved", key, DRAM)
+        if extent is not None:
+            dram.abort(extent)
+        self.poke()

@@ -1,0 +1,82 @@
+"""A named shared-memory region that holds the DRAM tier's bytes.
+
+The region is a file under /dev/shm (or $KVSTORE_SHM_DIR), mapped once and
+kept for the life of the tier, so a client on the same host can map the same
+file by name and copy blocks without a socket in the data path. The creator
+unlinks it on close; ``attach`` opens an existing one.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+
+from kvstore_client.errors import ConfigError
+
+
+def shm_dir() -> str:
+    """Directory that backs shared-memory arenas (tmpfs on Linux)."""
+    return os.environ.get("KVSTORE_SHM_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+
+
+class SharedArena:
+    """A fixed-size, writable, shared mapping; ``view`` is a memoryview over all of it.
+
+    Not thread-safe by itself; the owner decides who writes which range.
+    """
+
+    def __init__(self, path: str, size: int, mm: mmap.mmap, owner: bool):
+        self.path = path
+        self.size = size
+        self.name = os.path.basename(path)
+        self._mmap = mm
+        self._owner = owner
+        self.view = memoryview(mm)
+
+    @classmethod
+    def create(cls, size: int, name: str | None = None, prefault: bool = False) -> "SharedArena":
+        """Create and map a new arena of ``size`` bytes; ``prefault`` touches every page now."""
+        if size <= 0:
+            raise ConfigError("arena size must be positive")
+        name = name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
+        path = os.path.join(shm_dir(), name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
+            mm = mmap.mmap(fd, size, flags=flags)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return cls(path, size, mm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> "SharedArena":
+        """Map an existing arena created by another process on this host."""
+        path = os.path.join(shm_dir(), os.path.basename(name))
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        return cls(path, size, mm, owner=False)
+
+    def close(self) -> None:
+        """Unmap; the creator also removes the name. Views handed out must be released first."""
+        if self._mmap is None:
+            return
+        self.view.release()
+        try:
+            self._mmap.close()
+        except BufferError:  # a caller still holds a view: leave the mapping to the GC
+            pass
+        self._mmap = None
+        if self._owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,181 @@
+"""DRAM tier: blocks in one preallocated shared-memory arena.
+
+Each block is an extent of the arena (offset, size) described by a small
+``Extent`` record; no Python bytes object is kept per block. Readers take a
+lease on an extent and copy outside the lock; a block discarded or replaced
+while leased stays readable and its space returns when the last lease ends.
+
+Thread-safe. ``_lock`` guards the index, the allocator and lease counts; it
+is taken after the store's lock, never before, and no call made under it
+takes another lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+from kvstore_client.errors import BufferTooSmall
+from kvstore_client.keys import BlockKey
+from kvstore.tiers.allocator import ExtentAllocator
+from kvstore.tiers.arena import SharedArena
+
+
+class Extent:
+    """Where one block's bytes live in the arena, plus its read leases."""
+
+    __slots__ = ("offset", "size", "checksum", "leases", "doomed")
+
+    def __init__(self, offset: int, size: int):
+        self.offset = offset
+        self.size = size
+        self.checksum = 0
+        self.leases = 0
+        self.doomed = False  # no longer indexed: free when the last lease ends
+
+
+class DramTier:
+    """Keyed block storage in a shared-memory arena with exact byte accounting."""
+
+    name = "dram"
+
+    def __init__(self, capacity: int, *, granule: int = 4096, prefault: bool = False, arena_name: str | None = None):
+        self._alloc = ExtentAllocator(capacity, granule)
+        self.arena = SharedArena.create(max(self._alloc.capacity, granule), arena_name, prefault)
+        self._mem = self.arena.view
+        self._index: dict[BlockKey, Extent] = {}
+        self._lock = threading.Lock()
+
+    # -- sizes ----------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._alloc.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by extents, indexed or awaiting their last reader (exact)."""
+        return self._alloc.allocated_bytes
+
+    def footprint(self, size: int) -> int:
+        """Arena bytes a block of ``size`` bytes takes."""
+        return self._alloc.extent_size(size)
+
+    def fragmentation(self) -> float:
+        with self._lock:
+            return self._alloc.fragmentation()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # -- two-phase write ----------------------------------------------------------
+    def reserve(self, size: int) -> Extent | None:
+        """An unindexed extent for ``size`` bytes, or None when no free extent fits."""
+        with self._lock:
+            offset = self._alloc.alloc(size)
+        return None if offset is None else Extent(offset, size)
+
+    def writable(self, extent: Extent) -> memoryview:
+        return self._mem[extent.offset : extent.offset + extent.size]
+
+    def commit(self, key: BlockKey, extent: Extent, checksum: int) -> None:
+        """Index a written extent under ``key``, replacing (and retiring) any older one."""
+        extent.checksum = checksum
+        with self._lock:
+            old = self._index.get(key)
+            self._index[key] = extent
+            if old is not None:
+                self._retire(old)
+
+    def abort(self, extent: Extent) -> None:
+        """Free an extent that was reserved but never committed."""
+        with self._lock:
+            self._alloc.free(extent.offset, extent.size)
+
+    def put(self, key: BlockKey, value: memoryview, checksum: int) -> bool:
+        """Copy ``value`` in under ``key``; False when no free extent fits."""
+        extent = self.reserve(len(value))
+        if extent is None:
+            return False
+        self.writable(extent)[:] = value
+        self.commit(key, extent, checksum)
+        return True
+
+    # -- reads -----------------------------------------------------------------
+    def acquire(self, key: BlockKey) -> Extent | None:
+        """Lease the block's extent so it cannot be freed while read; None if absent."""
+        with self._lock:
+            extent = self._index.get(key)
+            if extent is not None:
+                extent.leases += 1
+            return extent
+
+    def view(self, extent: Extent) -> memoryview:
+        """Read-only view of a leased extent; valid until its lease is released."""
+        return self._mem[extent.offset : extent.offset + extent.size].toreadonly()
+
+    def release(self, extent: Extent) -> None:
+        with self._lock:
+            extent.leases -= 1
+            if extent.leases == 0 and extent.doomed:
+                self._alloc.free(extent.offset, extent.size)
+
+    def get_into(self, key: BlockKey, out: memoryview) -> int | None:
+        """Copy the block into ``out``; its size, or None when absent."""
+        extent = self.acquire(key)
+        if extent is None:
+            return None
+        try:
+            if len(out) < extent.size:
+                raise BufferTooSmall(f"block is {extent.size} bytes, buffer holds {len(out)}", extent.size)
+            out[: extent.size] = self._mem[extent.offset : extent.offset + extent.size]
+            return extent.size
+        finally:
+            self.release(extent)
+
+    def get(self, key: BlockKey) -> bytes | None:
+        extent = self.acquire(key)
+        if extent is None:
+            return None
+        try:
+            return bytes(self._mem[extent.offset : extent.offset + extent.size])
+        finally:
+            self.release(extent)
+
+    # -- index -------------------------------------------------------------------
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._index
+
+    def size_of(self, key: BlockKey) -> int | None:
+        extent = self._index.get(key)
+        return None if extent is None else extent.size
+
+    def current(self, key: BlockKey) -> Extent | None:
+        """The indexed extent of ``key`` (no lease taken)."""
+        return self._index.get(key)
+
+    def is_leased(self, key: BlockKey) -> bool:
+        extent = self._index.get(key)
+        return extent is not None and extent.leases > 0
+
+    def discard(self, key: BlockKey) -> bool:
+        """Drop the block; its space returns now, or when its last reader finishes."""
+        with self._lock:
+            extent = self._index.pop(key, None)
+            if extent is None:
+                return False
+            self._retire(extent)
+            return True
+
+    def keys(self) -> Iterator[BlockKey]:
+        return iter(list(self._index))
+
+    def close(self) -> None:
+        self._index.clear()
+        self.arena.close()
+
+    def _retire(self, extent: Extent) -> None:
+        """Called under _lock: free now or when the last lease ends."""
+        if extent.leases:
+            extent.doomed = True
+        else:
+            self._alloc.free(extent.offset, extent.size)

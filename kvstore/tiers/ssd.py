@@ -1,0 +1,347 @@
+"""SSD tier: blocks in one lmdb environment, checksummed on every read.
+
+On disk each block is one lmdb record:
+
+    key   = u8 namespace length | namespace UTF-8 | digest
+    value = header <4sIQQ: magic b"KVS\\x01", depth u32, XXH3-64 u64, size u64> | payload
+
+The header lets open rebuild the index without reading payloads; the
+checksum is checked on every read, so a damaged record is a miss (and is
+deleted), never wrong bytes.
+
+Durability: each put, batch and discard is one lmdb transaction. With
+``sync=False`` (default) a commit is in the OS page cache when it returns, so
+a process crash, kill -9 included, loses nothing. An OS crash or power cut may
+lose the last commits (and, lmdb warns for MDB_NOSYNC, can damage the file,
+which must then be deleted): acceptable for a cache, and damaged payloads are
+caught by the checksums. ``sync=True`` fsyncs each commit. One process per path.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from typing import Iterator
+
+import lmdb
+import xxhash
+
+from kvstore_client.errors import BufferTooSmall, CapacityError, ConfigError, InvalidKey, InvalidValue
+from kvstore_client.keys import BlockKey
+
+MAGIC = b"KVS\x01"  # last byte is the record format version
+HEADER = struct.Struct("<4sIQQ")  # magic, depth, checksum, payload size
+_MiB = 1 << 20
+_NO_BLOCK = b"\x00"  # an lmdb key no block has (namespaces are non-empty)
+
+
+def map_size_for(capacity: int) -> int:
+    """lmdb map size for a payload budget of ``capacity`` bytes.
+
+    A value over ~2 KiB takes overflow pages: payload + 24-byte header +
+    16-byte page header, rounded up to 4 KiB, so under a page of waste per
+    block (25% at 16 KiB blocks, <7% at 64 KiB): the 25%. Keys sit in B-tree
+    leaves (~60 bytes each), and copy-on-write needs free pages while pages
+    freed by the last commits are not yet reusable: the fixed 32 MiB, which
+    also lets discards commit once payloads fill the map. Smaller blocks can
+    fill the map before the budget; put then returns False like any full tier.
+    The file is sparse: disk use follows the data, not the map size.
+    """
+    size = int(capacity * 1.25) + 32 * _MiB
+    return -(-size // 4096) * 4096
+
+
+def encode_key(key: BlockKey) -> bytes:
+    namespace, digest = key
+    ns = namespace.encode()
+    if len(ns) > 255:
+        raise InvalidKey(f"namespace longer than 255 bytes: {namespace[:40]!r}")
+    return bytes((len(ns),)) + ns + digest
+
+
+def decode_key(raw: memoryview | bytes) -> BlockKey | None:
+    """The key stored as ``raw``, or None when it is malformed."""
+    raw = bytes(raw)
+    if not raw or len(raw) <= 1 + raw[0]:
+        return None
+    try:
+        return (raw[1 : 1 + raw[0]].decode(), raw[1 + raw[0] :])
+    except UnicodeDecodeError:
+        return None
+
+
+def parse_header(value: memoryview) -> tuple[int, int, int] | None:
+    """(size, depth, checksum) of a stored value, or None when the header is bad."""
+    if len(value) < HEADER.size:
+        return None
+    magic, depth, checksum, size = HEADER.unpack_from(value)
+    if magic != MAGIC or size != len(value) - HEADER.size:
+        return None
+    return size, depth, checksum
+
+
+def _byte_view(buf: memoryview | bytes | bytearray) -> memoryview:
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class SsdTier:
+    """Keyed block storage in lmdb with exact payload-byte accounting.
+
+    Thread-safe. Reads (get, get_into) use their own lmdb read transaction
+    and take no lock of this tier, so any number run beside a writer.
+    ``_write_lock`` serialises this tier's write transactions (lmdb allows
+    one writer anyway) so the budget check, the commit and the index update
+    are one step. ``_lock`` guards ``_index``, ``_used`` and the counters and
+    is held only for those updates, never across lmdb I/O. Lock order: the
+    store's lock, then ``_write_lock``, then ``_lock``.
+    """
+
+    name = "ssd"
+
+    def __init__(self, path: str, capacity: int, *, sync: bool = False):
+        if capacity <= 0:
+            raise ConfigError(f"ssd tier capacity must be positive, got {capacity}")
+        self.path = path
+        self._capacity = capacity
+        self._index: dict[BlockKey, tuple[int, int]] = {}  # key -> (size, depth)
+        self._used = 0
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self.checksum_failures = 0  # reads that found a damaged record (then deleted)
+        self.bad_records = 0  # records with a bad key or header, deleted on open
+        os.makedirs(path, exist_ok=True)
+        self._env = lmdb.Environment(
+            path, map_size=map_size_for(capacity), subdir=True, sync=sync, metasync=sync,
+            readahead=False, max_readers=512, lock=True,
+        )
+        self._env.reader_check()  # free reader slots left by a killed process
+        self._load()
+
+    def _load(self) -> None:
+        """Rebuild the index from record headers; delete records that don't parse."""
+        index: dict[BlockKey, tuple[int, int]] = {}
+        bad: list[bytes] = []
+        with self._env.begin(buffers=True) as txn:
+            for raw_key, value in txn.cursor():
+                key, meta = decode_key(raw_key), parse_header(value)
+                if key is None or meta is None:
+                    bad.append(bytes(raw_key))
+                else:
+                    index[key] = (meta[0], meta[1])
+        if bad:
+            with self._env.begin(write=True) as txn:
+                for raw_key in bad:
+                    txn.delete(raw_key)
+        self._index = index
+        self._used = sum(size for size, _ in index.values())
+        self.bad_records = len(bad)
+
+    # -- sizes and index ----------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        """Sum of payload sizes of indexed blocks (exact)."""
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._index
+
+    def size_of(self, key: BlockKey) -> int | None:
+        meta = self._index.get(key)
+        return None if meta is None else meta[0]
+
+    def depth_of(self, key: BlockKey) -> int:
+        meta = self._index.get(key)
+        return 0 if meta is None else meta[1]
+
+    def keys(self) -> Iterator[BlockKey]:
+        with self._lock:
+            return iter(list(self._index))
+
+    def inventory(self) -> list[tuple[BlockKey, int, int]]:
+        """(key, size, depth) of every block, for the store to re-index on open."""
+        with self._lock:
+            return [(key, size, depth) for key, (size, depth) in self._index.items()]
+
+    # -- writes ------------------------------------------------------------------
+    def put(self, key: BlockKey, value: memoryview | bytes, checksum: int, depth: int = 0) -> bool:
+        """Store ``value`` (replacing ``key``); False when it does not fit.
+
+        ``checksum`` is the caller's XXH3-64 of ``value``, stored as given."""
+        return self.put_many([(key, value, checksum, depth)])[0]
+
+    def put_many(self, items: list[tuple[BlockKey, memoryview | bytes, int, int]]) -> list[bool]:
+        """Store a batch in one transaction; per item, whether it was stored.
+
+        Items over the budget are skipped. If lmdb's map fills, the items
+        before the one that did not fit are committed, that one fails, and
+        the rest are tried in a new transaction.
+        """
+        results = [False] * len(items)
+        with self._write_lock:
+            records, todo = self._plan(items)
+            retried = False
+            while todo:
+                stored = self._try_commit(records, todo)
+                if stored < len(todo) and not retried:
+                    retried = True  # once: pages freed by the last commit become usable
+                    if self._advance_txn():
+                        continue
+                done, rest = todo[:stored], todo[stored + 1 :]
+                if stored < len(todo) and done and self._try_commit(records, done) < len(done):
+                    done = []  # nothing was committed and the prefix no longer fits (not expected)
+                self._apply(items, records, done)
+                for i in done:
+                    results[i] = True
+                todo = rest
+        return results
+
+    def _plan(self, items) -> tuple[list[tuple[bytes, bytes, memoryview]], list[int]]:
+        """Encoded (key, header, payload) per item, and the items that fit the budget, in order."""
+        records, todo = [], []
+        with self._lock:
+            used, planned = self._used, {}
+            for i, (key, value, checksum, depth) in enumerate(items):
+                view = _byte_view(value)
+                size = view.nbytes
+                try:
+                    records.append((encode_key(key), HEADER.pack(MAGIC, depth, checksum, size), view))
+                except struct.error:
+                    raise InvalidValue(f"depth {depth} or checksum {checksum} out of range") from None
+                old = planned[key] if key in planned else self._index.get(key, (0, 0))[0]
+                if size <= self._capacity and used - old + size <= self._capacity:
+                    used += size - old
+                    planned[key] = size
+                    todo.append(i)
+        return records, todo
+
+    def _try_commit(self, records, todo: list[int]) -> int:
+        """Commit ``todo`` in one txn: len(todo) when stored, else the index that did not fit (nothing stored)."""
+        txn = self._env.begin(write=True)
+        try:
+            for n, i in enumerate(todo):
+                raw_key, header, view = records[i]
+                try:
+                    txn.put(raw_key, b"".join((header, view)))
+                except lmdb.MapFullError:
+                    txn.abort()
+                    return n
+        except BaseException:
+            txn.abort()
+            raise
+        try:
+            txn.commit()
+        except lmdb.MapFullError:  # the freelist did not fit: blame the last item
+            return len(todo) - 1
+        return len(todo)
+
+    def _advance_txn(self) -> bool:
+        """Commit a no-op write: lmdb reuses pages freed by a commit only after the next one."""
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.put(_NO_BLOCK, b"")
+                txn.delete(_NO_BLOCK)
+            return True
+        except lmdb.MapFullError:
+            return False
+
+    def _apply(self, items, records, done: list[int]) -> None:
+        """Index committed items in commit order (a key may repeat in a batch)."""
+        with self._lock:
+            for i in done:
+                key, size, depth = items[i][0], records[i][2].nbytes, items[i][3]
+                old = self._index.get(key)
+                self._used += size - (old[0] if old else 0)
+                self._index[key] = (size, depth)
+
+    def discard(self, key: BlockKey) -> bool:
+        """Delete the block; False when it was absent."""
+        return self.discard_many([key]) == 1
+
+    def discard_many(self, keys) -> int:
+        """Delete blocks in one transaction; how many were present."""
+        with self._write_lock:
+            present = [key for key in dict.fromkeys(keys) if key in self._index]
+            if not present:
+                return 0
+            try:
+                with self._env.begin(write=True) as txn:
+                    for key in present:
+                        txn.delete(encode_key(key))
+            except lmdb.MapFullError as exc:
+                raise CapacityError("ssd tier: lmdb map full, cannot commit a delete") from exc
+            self._forget(present)
+            return len(present)
+
+    def _forget(self, keys) -> None:
+        with self._lock:
+            for key in keys:
+                meta = self._index.pop(key, None)
+                if meta is not None:
+                    self._used -= meta[0]
+
+    # -- reads -----------------------------------------------------------------
+    def get_into(self, key: BlockKey, out: memoryview) -> int | None:
+        """Copy the block into ``out``; its size, or None when absent or damaged."""
+        dst = _byte_view(out)
+
+        def copy(value: memoryview, size: int, checksum: int) -> int | None:
+            if size > len(dst):
+                raise BufferTooSmall(f"block is {size} bytes, buffer holds {len(dst)}", size)
+            dst[:size] = value[HEADER.size :]
+            return size if xxhash.xxh3_64_intdigest(dst[:size]) == checksum else None
+
+        return self._read(key, copy)
+
+    def get(self, key: BlockKey) -> bytes | None:
+        """The block's bytes, or None when absent or damaged."""
+
+        def copy(value: memoryview, size: int, checksum: int) -> bytes | None:
+            data = bytes(value[HEADER.size :])
+            return data if xxhash.xxh3_64_intdigest(data) == checksum else None
+
+        return self._read(key, copy)
+
+    def _read(self, key: BlockKey, copy):
+        """``copy(value, size, checksum)`` in a read txn; a bad record is dropped and reads as None."""
+        if key not in self._index:
+            return None
+        raw_key = encode_key(key)
+        with self._env.begin(buffers=True) as txn:
+            value = txn.get(raw_key)
+            if value is None:
+                return None
+            meta = parse_header(value)
+            result = None if meta is None else copy(value, meta[0], meta[2])
+            if result is not None:
+                return result
+            seen = (bytes(value[: HEADER.size]), len(value))
+        self._drop_damaged(key, raw_key, seen)
+        return None
+
+    def _drop_damaged(self, key: BlockKey, raw_key: bytes, seen: tuple[bytes, int]) -> None:
+        """Count a failed read and delete the record, unless a writer replaced it meanwhile."""
+        with self._write_lock:
+            with self._lock:
+                self.checksum_failures += 1
+            with self._env.begin(write=True, buffers=True) as txn:
+                value = txn.get(raw_key)
+                if value is None or (bytes(value[: HEADER.size]), len(value)) != seen:
+                    return
+                txn.delete(raw_key)
+            self._forget([key])
+
+    def close(self) -> None:
+        with self._write_lock:
+            self._env.close()
+            with self._lock:
+                self._index.clear()
+                self._used = 0

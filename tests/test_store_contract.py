@@ -1,0 +1,264 @@
+"""The BlockStore contract, run against every eviction policy and tier layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore_client.errors import (
+    BufferTooSmall,
+    CapacityError,
+    ConfigError,
+    InvalidKey,
+    InvalidValue,
+    ReservationError,
+    UnknownNamespace,
+)
+from kvstore_client.hashing import BlockHasher
+from kvstore.node.config import StoreConfig
+from kvstore.node.store import BlockStore
+from tests.conftest import KiB, value_for
+
+
+def key(i: int, ns: str = "m") -> tuple[str, bytes]:
+    return (ns, i.to_bytes(16, "little"))
+
+
+def test_put_get_round_trip_any_buffer(make_store):
+    store = make_store()
+    store.put(key(1), b"abc")
+    store.put(key(2), bytearray(b"defg"))
+    store.put(key(3), np.arange(1000, dtype=np.float16))
+    store.put(key(4), memoryview(b"0123456789")[2:6])
+    assert store.get(key(1)) == b"abc"
+    assert store.get(key(2)) == b"defg"
+    assert store.get(key(3)) == np.arange(1000, dtype=np.float16).tobytes()
+    assert store.get(key(4)) == b"2345"
+    assert store.get(key(99)) is None
+
+
+def test_get_into_caller_buffer(make_store):
+    store = make_store()
+    data = value_for(key(1), 10_000)
+    store.put(key(1), data)
+    out = np.zeros(3000, dtype=np.int32)  # 12,000 bytes
+    assert store.get_into(key(1), out) == 10_000
+    assert out.tobytes()[:10_000] == data
+    with pytest.raises(BufferTooSmall) as err:
+        store.get_into(key(1), bytearray(9_999))
+    assert err.value.needed == 10_000
+    with pytest.raises(InvalidValue):
+        store.get_into(key(1), b"read-only buffer of enough size" * 1000)
+    assert store.get_into(key(2), bytearray(10)) is None
+
+
+def test_two_phase_put(make_store):
+    store = make_store()
+    res = store.reserve(key(1), 5000, depth=3)
+    res.buffer[:] = value_for(key(1), 5000)
+    assert not store.exists(key(1))  # invisible until committed
+    res.commit()
+    assert store.get(key(1)) == value_for(key(1), 5000)
+    with pytest.raises(ReservationError):
+        res.commit()
+
+
+def test_revoke_and_abandon_free_space(make_store):
+    store = make_store()
+    before = store.stats()["dram"]["used"]
+    res = store.reserve(key(1), 60 * KiB)
+    assert store.stats()["dram"]["used"] == before + 60 * KiB
+    res.revoke()
+    assert store.stats()["dram"]["used"] == before
+    with pytest.raises(ReservationError):
+        res.commit()
+    store.reserve(key(2), 60 * KiB)  # dropped on the floor
+    import gc
+
+    gc.collect()
+    assert store.stats()["dram"]["used"] == before
+    assert not store.exists(key(1)) and not store.exists(key(2))
+
+
+def test_reservation_context_revokes_on_error(make_store):
+    store = make_store()
+    with pytest.raises(RuntimeError):
+        with store.reserve(key(1), 100) as res:
+            res.buffer[:] = b"x" * 100
+            raise RuntimeError("engine failed mid-write")
+    assert not store.exists(key(1))
+    assert store.stats()["dram"]["used"] == 0
+
+
+def test_overwrite_replaces_value_and_accounting(make_store):
+    store = make_store()
+    store.put(key(1), b"a" * 10_000)
+    store.put(key(1), b"b" * 20_000)
+    assert store.get(key(1)) == b"b" * 20_000
+    assert len(store) == 1
+    assert store.stats()["dram"]["used"] == 20_480
+
+
+def test_exists_batch_exists_match_prefix(make_store):
+    store = make_store()
+    keys = BlockHasher("m", 4).keys(list(range(40)))
+    for depth, k in enumerate(keys[:6]):
+        store.put(k, value_for(k, 100), depth=depth)
+    store.put(keys[8], b"x")
+    assert store.match_prefix(keys) == 6
+    assert store.batch_exists(keys) == [True] * 6 + [False, False, True, False]
+    assert store.exists(keys[0]) and not store.exists(keys[7])
+    assert store.match_prefix([]) == 0
+
+
+def test_remove(make_store):
+    store = make_store()
+    store.put(key(1), b"abc")
+    assert store.remove(key(1)) is True
+    assert store.remove(key(1)) is False
+    assert store.get(key(1)) is None
+    assert store.stats()["dram"]["used"] == 0
+
+
+def test_eviction_keeps_memory_bounded_and_pins_survive(make_store):
+    store = make_store()
+    store.put(key(0), value_for(key(0), 64 * KiB))
+    assert store.pin(key(0))
+    for i in range(1, 100):
+        store.put(key(i), value_for(key(i), 64 * KiB))
+        stats = store.stats()
+        assert stats["dram"]["used"] <= stats["dram"]["capacity"]
+    assert store.get(key(0)) == value_for(key(0), 64 * KiB)
+    assert store.tier_of(key(0)) == "dram"
+    assert store.unpin(key(0)) and not store.unpin(key(0))
+    assert not store.pin(key(12345))
+    for i in range(100):
+        got = store.get(key(i))
+        assert got is None or got == value_for(key(i), 64 * KiB)
+
+
+def test_all_pinned_means_capacity_error(make_store):
+    store = make_store(dram_capacity=128 * KiB)
+    for i in range(2):
+        store.put(key(i), b"p" * 64 * KiB)
+        store.pin(key(i))
+    with pytest.raises(CapacityError):
+        store.put(key(9), b"x" * 64 * KiB)
+    assert store.get(key(0)) == b"p" * 64 * KiB and store.get(key(1)) == b"p" * 64 * KiB
+
+
+def test_block_being_read_is_not_evicted(make_store):
+    store = make_store(dram_capacity=128 * KiB)
+    store.put(key(0), b"r" * 64 * KiB)
+    with store.read(key(0)) as view:
+        for i in range(1, 6):
+            try:
+                store.put(key(i), b"w" * 64 * KiB)
+            except CapacityError:
+                pass  # DRAM-only with one of two slots leased: room for one at a time
+        assert bytes(view) == b"r" * 64 * KiB
+    assert store.stats()["dram"]["used"] <= 128 * KiB
+
+
+def test_bad_input_is_typed_and_harmless(make_store):
+    store = make_store(namespaces={"m"})
+    store.put(key(1), b"keep")
+    snapshot = store.stats()
+    with pytest.raises(InvalidValue):
+        store.put(key(2), b"")
+    with pytest.raises(InvalidValue):
+        store.put(key(2), b"x" * (64 * KiB + 1))
+    with pytest.raises(InvalidKey):
+        store.put(("m", b""), b"x")
+    with pytest.raises(InvalidKey):
+        store.put("not a tuple", b"x")
+    with pytest.raises(InvalidKey):
+        store.get(("", b"x"))
+    with pytest.raises(InvalidKey):
+        store.put(("m", b"x" * 65), b"x")
+    with pytest.raises(UnknownNamespace):
+        store.put(key(2, ns="other"), b"x")
+    with pytest.raises(UnknownNamespace):
+        store.get(key(1, ns="other"))
+    with pytest.raises(InvalidValue):
+        store.put(key(2), object())
+    assert store.stats()["dram"] == snapshot["dram"]
+    assert store.get(key(1)) == b"keep"
+    assert len(store) == 1
+
+
+def test_tier_smaller_than_one_block_is_rejected(tmp_path):
+    with pytest.raises(ConfigError):
+        StoreConfig(dram_capacity="1MiB", max_block_bytes="2MiB")
+    with pytest.raises(ConfigError):
+        StoreConfig(dram_capacity="4MiB", max_block_bytes="2MiB", ssd_path=str(tmp_path), ssd_capacity="1MiB")
+    with pytest.raises(ConfigError):
+        StoreConfig(policy="fifo")
+
+
+def test_stats_shape(make_store, tiers):
+    store = make_store()
+    store.put(key(1), b"x" * 100)
+    store.get(key(1))
+    store.get(key(2))
+    stats = store.stats()
+    expected = {"capacity", "used", "blocks", "hits", "misses", "evictions", "demotions", "promotions",
+                "checksum_failures"}
+    assert expected <= set(stats["dram"])
+    assert stats["dram"]["hits"] == 1 and stats["dram"]["misses"] == 1 and stats["dram"]["blocks"] == 1
+    assert ("ssd" in stats) == (tiers == "dram+ssd")
+
+
+@pytest.mark.parametrize("tiers", ["dram+ssd"])
+def test_demotion_and_promotion(make_store):
+    store = make_store(dram_capacity=256 * KiB, high_watermark=0.8, low_watermark=0.5)
+    for i in range(12):
+        store.put(key(i), value_for(key(i), 60 * KiB), depth=i)
+    stats = store.stats()
+    assert stats["dram"]["demotions"] > 0 and stats["ssd"]["blocks"] > 0
+    on_ssd = [i for i in range(12) if store.tier_of(key(i)) == "ssd"]
+    assert on_ssd and len(store) == 12  # nothing dropped: SSD had room
+    i = on_ssd[0]
+    store.evict()  # down to the low watermark: promotion never evicts on the read path
+    assert store.get(key(i)) == value_for(key(i), 60 * KiB)
+    assert store.tier_of(key(i)) == "dram"
+    assert store.stats()["ssd"]["promotions"] == 1
+    for j in range(12):
+        assert store.get(key(j)) == value_for(key(j), 60 * KiB)
+
+
+@pytest.mark.parametrize("tiers", ["dram+ssd"])
+def test_ssd_only_hits_without_promotion(make_store):
+    store = make_store(dram_capacity=128 * KiB, promote_on_hit=False)
+    for i in range(6):
+        store.put(key(i), value_for(key(i), 60 * KiB))
+    assert store.tier_of(key(0)) == "ssd"
+    out = bytearray(64 * KiB)
+    assert store.get_into(key(0), out) == 60 * KiB and out[: 60 * KiB] == value_for(key(0), 60 * KiB)
+    assert store.tier_of(key(0)) == "ssd"
+    with store.read(key(0)) as view:
+        assert bytes(view) == value_for(key(0), 60 * KiB)
+
+
+def test_background_eviction_holds_watermarks(make_store):
+    store = make_store(background_eviction=True, high_watermark=0.75, low_watermark=0.5)
+    for i in range(64):
+        store.put(key(i), value_for(key(i), 32 * KiB))
+    import time
+
+    deadline = time.monotonic() + 5
+    while store.stats()["dram"]["used"] > 0.75 * 512 * KiB and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.stats()["dram"]["used"] <= 0.75 * 512 * KiB
+
+
+def test_listener_sees_lifecycle(make_store, tiers):
+    store = make_store(dram_capacity=128 * KiB)
+    events = []
+    store.subscribe(lambda event, k, tier: events.append((event, k[1][0], tier)))
+    store.put(key(1), b"x" * 60 * KiB)
+    store.put(key(2), b"y" * 60 * KiB)
+    store.put(key(3), b"z" * 60 * KiB)
+    store.remove(key(3))
+    assert ("stored", 1, "dram") in events and ("removed", 3, "dram") in events
+    assert (("moved", 1, "ssd") if tiers == "dram+ssd" else ("removed", 1, "dram")) in events
