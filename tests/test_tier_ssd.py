@@ -3,6 +3,7 @@ corruption, kill -9, a full map and concurrent readers."""
 
 from __future__ import annotations
 
+import array
 import os
 import random
 import signal
@@ -58,6 +59,17 @@ def test_round_trip(tmp_path):
     assert tier.get(key(1)) is None and tier.get_into(key(1), memoryview(out)) is None
     assert not tier.contains(key(1)) and tier.size_of(key(1)) is None and tier.depth_of(key(1)) == 0
     assert tier.used_bytes == 0 and len(tier) == 0
+    tier.close()
+
+
+def test_typed_buffers(tmp_path):
+    """Values and out buffers may be memoryviews of any item format; sizes are in bytes."""
+    tier = SsdTier(str(tmp_path / "ssd"), 4 * MiB)
+    words = array.array("I", range(1000))
+    assert tier.put(key(1), memoryview(words), xxhash.xxh3_64_intdigest(words), 0)
+    assert tier.size_of(key(1)) == 4000 and tier.get(key(1)) == words.tobytes()
+    out = array.array("H", bytes(4000))
+    assert tier.get_into(key(1), memoryview(out)) == 4000 and out.tobytes() == words.tobytes()
     tier.close()
 
 
@@ -296,8 +308,8 @@ def test_concurrent_readers_with_one_writer(tmp_path):
                 if op < 0.6:
                     put(tier, key(k), versioned(k, version))
                 elif op < 0.8:
-                    batch = [(key(j), versioned(j, version), 0, 0) for j in rnd.sample(range(32), 4)]
-                    tier.put_many([(bk, d, xxhash.xxh3_64_intdigest(d), 0) for bk, d, _, _ in batch])
+                    blocks = [(j, versioned(j, version)) for j in rnd.sample(range(32), 4)]
+                    tier.put_many([(key(j), d, xxhash.xxh3_64_intdigest(d), 0) for j, d in blocks])
                 else:
                     tier.discard(key(k))
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below

@@ -95,7 +95,10 @@ class SsdTier:
     one writer anyway) so the budget check, the commit and the index update
     are one step. ``_lock`` guards ``_index``, ``_used`` and the counters and
     is held only for those updates, never across lmdb I/O. Lock order: the
-    store's lock, then ``_write_lock``, then ``_lock``.
+    store's lock, then ``_write_lock``, then ``_lock``. Call close() alone.
+
+    Reopened with a smaller capacity, used_bytes may exceed capacity_bytes
+    until the store evicts; puts fail meanwhile.
     """
 
     name = "ssd"
@@ -179,30 +182,20 @@ class SsdTier:
         return self.put_many([(key, value, checksum, depth)])[0]
 
     def put_many(self, items: list[tuple[BlockKey, memoryview | bytes, int, int]]) -> list[bool]:
-        """Store a batch in one transaction; per item, whether it was stored.
+        """Store a batch in one write transaction; per item, whether it was stored.
 
-        Items over the budget are skipped. If lmdb's map fills, the items
-        before the one that did not fit are committed, that one fails, and
-        the rest are tried in a new transaction.
+        Items over the budget are skipped. If lmdb's map fills, the batch is
+        redone in one transaction that keeps, in order, every item that fits.
         """
-        results = [False] * len(items)
         with self._write_lock:
             records, todo = self._plan(items)
-            retried = False
-            while todo:
-                stored = self._try_commit(records, todo)
-                if stored < len(todo) and not retried:
-                    retried = True  # once: pages freed by the last commit become usable
-                    if self._advance_txn():
-                        continue
-                done, rest = todo[:stored], todo[stored + 1 :]
-                if stored < len(todo) and done and self._try_commit(records, done) < len(done):
-                    done = []  # nothing was committed and the prefix no longer fits (not expected)
-                self._apply(items, records, done)
-                for i in done:
-                    results[i] = True
-                todo = rest
-        return results
+            done = self._commit(records, todo, partial=False) if todo else []
+            if done is None:
+                self._advance_txn()
+                done = self._commit(records, todo, partial=True)
+            self._apply(items, records, done)
+        stored = set(done)
+        return [i in stored for i in range(len(items))]
 
     def _plan(self, items) -> tuple[list[tuple[bytes, bytes, memoryview]], list[int]]:
         """Encoded (key, header, payload) per item, and the items that fit the budget, in order."""
@@ -223,35 +216,43 @@ class SsdTier:
                     todo.append(i)
         return records, todo
 
-    def _try_commit(self, records, todo: list[int]) -> int:
-        """Commit ``todo`` in one txn: len(todo) when stored, else the index that did not fit (nothing stored)."""
+    def _commit(self, records, todo: list[int], *, partial: bool) -> list[int] | None:
+        """Put ``todo`` in one txn; the indices committed. When the map fills: None,
+        or with ``partial`` skip what does not fit (each item goes in a nested txn)."""
+        done: list[int] = []
         txn = self._env.begin(write=True)
         try:
-            for n, i in enumerate(todo):
+            for i in todo:
                 raw_key, header, view = records[i]
+                item_txn = self._env.begin(write=True, parent=txn) if partial else txn
                 try:
-                    txn.put(raw_key, b"".join((header, view)))
+                    item_txn.put(raw_key, b"".join((header, view)))
+                    if partial:
+                        item_txn.commit()
                 except lmdb.MapFullError:
-                    txn.abort()
-                    return n
+                    if not partial:
+                        txn.abort()
+                        return None
+                    item_txn.abort()
+                    continue
+                done.append(i)
         except BaseException:
             txn.abort()
             raise
         try:
             txn.commit()
-        except lmdb.MapFullError:  # the freelist did not fit: blame the last item
-            return len(todo) - 1
-        return len(todo)
+        except lmdb.MapFullError:  # no room left to record the freed pages
+            return [] if partial else None
+        return done
 
-    def _advance_txn(self) -> bool:
+    def _advance_txn(self) -> None:
         """Commit a no-op write: lmdb reuses pages freed by a commit only after the next one."""
         try:
             with self._env.begin(write=True) as txn:
                 txn.put(_NO_BLOCK, b"")
                 txn.delete(_NO_BLOCK)
-            return True
         except lmdb.MapFullError:
-            return False
+            pass
 
     def _apply(self, items, records, done: list[int]) -> None:
         """Index committed items in commit order (a key may repeat in a batch)."""
