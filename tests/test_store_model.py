@@ -254,6 +254,13 @@ class StoreMachine(RuleBasedStateMachine):
     def get(self, key):
         self.check_read(key, self.store.get(key))
 
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), how=st.sampled_from(["get", "get_into", "read"]))
+    def read_stored(self, data, how):
+        """Read a block the model holds (random keys mostly miss once the model is sparse)."""
+        key = data.draw(st.sampled_from(sorted(self.model)), label="key")
+        {"get": self.get, "get_into": lambda k: self.get_into(k, 0), "read": self.zero_copy_read}[how](key)
+
     @rule(key=key_strategy, slack=st.integers(0, 5000))
     def get_into(self, key, slack):
         expected = self.model.get(key)
@@ -433,7 +440,7 @@ def test_store_matches_model(tmp_path, tiers, policy, background):
     run_state_machine_as_test(
         make_machine(tiers, policy, background, tmp_path),
         settings=settings(
-            max_examples=12, stateful_step_count=40, deadline=None,
+            max_examples=30, stateful_step_count=60, deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )

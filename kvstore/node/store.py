@@ -138,8 +138,14 @@ class BlockStore:
                 return None if view is None else bytes(view)
             finally:
                 self._dram.release(extent)
+        return self._get_from_ssd(key, meta)
+
+    def _get_from_ssd(self, key: BlockKey, meta: BlockMeta) -> bytes | None:
         out = bytearray(meta.size)
-        n = self._read_ssd(key, meta, memoryview(out))
+        try:
+            n = self._read_ssd(key, meta, memoryview(out))
+        except BufferTooSmall:  # replaced by a larger value (now in SSD too) since the lookup
+            return self.get(key)
         return None if n is None else bytes(out[:n])
 
     def get_into(self, key: BlockKey, buffer) -> int | None:
@@ -174,7 +180,7 @@ class BlockStore:
         key = self._check_key(key)
         meta, extent = self._lookup(key)
         if extent is None:
-            data = None if meta is None else self.get(key)
+            data = None if meta is None else self._get_from_ssd(key, meta)
             yield None if data is None else memoryview(data)
             return
         try:
@@ -217,15 +223,32 @@ class BlockStore:
         n = self._ssd.get_into(key, out)
         with self._lock:
             if n is None:
-                self._counters[SSD].misses += 1
-                self._counters[SSD].checksum_failures = self._ssd.checksum_failures
-                if self._table.get(key) is meta and not self._ssd.contains(key):
-                    self._forget(key, meta)
-                return None
-            self._counters[SSD].hits += 1
+                if self._table.get(key) is meta and meta.tier == DRAM:  # promoted since the lookup
+                    extent = self._dram.acquire(key)
+                else:
+                    self._counters[SSD].misses += 1
+                    self._counters[SSD].checksum_failures = self._ssd.checksum_failures
+                    if self._table.get(key) is meta and meta.tier == SSD and not self._ssd.contains(key):
+                        self._forget(key, meta)
+                    return None
+            else:
+                self._counters[SSD].hits += 1
+        if n is None:
+            return self._copy_leased(key, extent, out)
         if self.config.promote_on_hit:
             self._tiering.promote(key, meta, out[:n])
         return n
+
+    def _copy_leased(self, key: BlockKey, extent: Extent, out: memoryview) -> int | None:
+        """Copy a leased DRAM block into ``out`` (large enough) and release the lease."""
+        try:
+            view = self._verified(key, extent)
+            if view is None:
+                return None
+            out[: extent.size] = view
+            return extent.size
+        finally:
+            self._dram.release(extent)
 
     # -- lookups without reading ---------------------------------------------------------
     def exists(self, key: BlockKey) -> bool:
@@ -238,13 +261,12 @@ class BlockStore:
 
     def match_prefix(self, keys: Iterable[BlockKey]) -> int:
         """How many leading keys of a prefix chain are stored (in any tier)."""
-        count = 0
+        keys = [self._check_key(k) for k in keys]
         table = self._table
-        for key in keys:
-            if self._check_key(key) not in table:
-                break
-            count += 1
-        return count
+        for count, key in enumerate(keys):
+            if key not in table:
+                return count
+        return len(keys)
 
     def size_of(self, key: BlockKey) -> int | None:
         meta = self._table.get(self._check_key(key))

@@ -110,7 +110,10 @@ class Tiering:
     # -- DRAM -> SSD or out ----------------------------------------------------------------
     def _evict_dram(self, wanted: int, max_blocks: int) -> int:
         """Demote (or drop, without SSD) up to ``max_blocks`` DRAM victims
-        totalling at least ``wanted`` bytes; returns how many left DRAM."""
+        totalling at least ``wanted`` bytes; returns how many victims it took,
+        0 only when nothing is evictable. (Not how many moved: a batch whose
+        victims were all replaced, removed or pinned meanwhile moves none, yet
+        other candidates may remain, so callers must keep going.)"""
         store = self._store
         victims = self._choose_dram_victims(wanted, max_blocks)
         if not victims:
@@ -118,13 +121,11 @@ class Tiering:
         stored = [False] * len(victims)
         if store._ssd is not None:
             stored = self._write_to_ssd(victims)
-        moved = 0
         with store._lock:
             for (key, meta, extent), on_ssd in zip(victims, stored):
                 current = store._table.get(key) is meta and meta.tier == DRAM and not meta.pins
                 if current and store._dram.current(key) is extent:
                     store._dram.discard(key)
-                    moved += 1
                     if on_ssd:
                         meta.tier = SSD
                         store._policies[SSD].add(key, depth=meta.depth, hits=meta.hits)
@@ -137,7 +138,7 @@ class Tiering:
                 elif on_ssd:  # replaced, removed or pinned meanwhile: the copy is stale
                     store._ssd.discard(key)
                 store._dram.release(extent)
-        return moved
+        return len(victims)
 
     def _choose_dram_victims(self, wanted: int, max_blocks: int) -> list:
         """Under the store lock: pop victims, skipping blocks being read, and

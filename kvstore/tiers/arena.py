@@ -3,16 +3,23 @@
 The region is a file under /dev/shm (or $KVSTORE_SHM_DIR), mapped once and
 kept for the life of the tier, so a client on the same host can map the same
 file by name and copy blocks without a socket in the data path. The creator
-unlinks it on close; ``attach`` opens an existing one.
+unlinks it on close, or at interpreter exit if it was never closed;
+``attach`` opens an existing one. Names carry the creator's pid, so arenas
+left behind by a process that was killed are removed by the next ``create``.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
+import weakref
 
 from kvstore_client.errors import ConfigError
+
+
+_ARENA_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]+$")
 
 
 def shm_dir() -> str:
@@ -33,12 +40,14 @@ class SharedArena:
         self._mmap = mm
         self._owner = owner
         self.view = memoryview(mm)
+        self._unlink_at_exit = weakref.finalize(self, _unlink, path) if owner else None
 
     @classmethod
     def create(cls, size: int, name: str | None = None, prefault: bool = False) -> "SharedArena":
         """Create and map a new arena of ``size`` bytes; ``prefault`` touches every page now."""
         if size <= 0:
             raise ConfigError("arena size must be positive")
+        reap_stale_arenas()
         name = name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
         path = os.path.join(shm_dir(), name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -75,8 +84,34 @@ class SharedArena:
         except BufferError:  # a caller still holds a view: leave the mapping to the GC
             pass
         self._mmap = None
-        if self._owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        if self._unlink_at_exit is not None:
+            self._unlink_at_exit()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def reap_stale_arenas() -> list[str]:
+    """Remove default-named arenas whose creating process no longer exists."""
+    removed = []
+    directory = shm_dir()
+    for entry in os.listdir(directory):
+        match = _ARENA_NAME.match(entry)
+        if match and not _pid_alive(int(match.group(1))):
+            _unlink(os.path.join(directory, entry))
+            removed.append(entry)
+    return removed

@@ -298,7 +298,10 @@ class SsdTier:
             if size > len(dst):
                 raise BufferTooSmall(f"block is {size} bytes, buffer holds {len(dst)}", size)
             dst[:size] = value[HEADER.size :]
-            return size if xxhash.xxh3_64_intdigest(dst[:size]) == checksum else None
+            if xxhash.xxh3_64_intdigest(dst[:size]) == checksum:
+                return size
+            dst[:size] = bytes(size)  # leave no damaged bytes behind in the caller's buffer
+            return None
 
         return self._read(key, copy)
 

@@ -1,0 +1,59 @@
+"""Shared-memory arenas: mapped by name from another process, never leaked."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from kvstore.tiers.arena import SharedArena, reap_stale_arenas, shm_dir
+
+CHILD = """
+import sys, time
+from kvstore.tiers.arena import SharedArena
+arena = SharedArena.create(1 << 20)
+arena.view[:5] = b"hello"
+print(arena.path, flush=True)
+if sys.argv[1] == "hang":
+    time.sleep(60)
+"""
+
+
+def spawn(mode: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, mode], stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def test_attach_sees_the_creators_bytes():
+    arena = SharedArena.create(1 << 20)
+    try:
+        arena.view[100:105] = b"abcde"
+        other = SharedArena.attach(arena.name)
+        assert bytes(other.view[100:105]) == b"abcde" and other.size == arena.size
+        other.close()
+        assert os.path.exists(arena.path)  # attaching side never removes it
+    finally:
+        arena.close()
+    assert not os.path.exists(arena.path)
+
+
+def test_unclosed_arena_is_removed_at_exit():
+    proc, path = spawn("exit")
+    proc.wait(timeout=30)
+    assert path.startswith(shm_dir()) and not os.path.exists(path)
+
+
+def test_arena_of_a_killed_process_is_reaped():
+    proc, path = spawn("hang")
+    try:
+        assert os.path.exists(path)
+        assert os.path.basename(path) not in reap_stale_arenas()  # creator alive: kept
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert os.path.exists(path)
+        assert os.path.basename(path) in reap_stale_arenas()
+        assert not os.path.exists(path)
+    finally:
+        proc.kill()
+        proc.stdout.close()
