@@ -159,16 +159,10 @@ class BlockStore:
         if meta is None:
             return None
         if extent is not None:
-            try:
-                if len(out) < extent.size:
-                    raise BufferTooSmall(f"block is {extent.size} bytes, buffer holds {len(out)}", extent.size)
-                view = self._verified(key, extent)
-                if view is None:
-                    return None
-                out[: extent.size] = view
-                return extent.size
-            finally:
+            if len(out) < extent.size:
                 self._dram.release(extent)
+                raise BufferTooSmall(f"block is {extent.size} bytes, buffer holds {len(out)}", extent.size)
+            return self._copy_leased(key, extent, out)
         if len(out) < meta.size:
             raise BufferTooSmall(f"block is {meta.size} bytes, buffer holds {len(out)}", meta.size)
         return self._read_ssd(key, meta, out)
