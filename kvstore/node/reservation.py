@@ -35,11 +35,22 @@ class Reservation:
     def open(self) -> bool:
         return self._extent is not None
 
-    def commit(self) -> None:
-        """Publish the written bytes under the key (checksummed now)."""
+    @property
+    def offset(self) -> int:
+        """Where the reserved bytes start in the DRAM arena (for same-host writers)."""
+        if self._extent is None:
+            raise ReservationError("reservation is closed")
+        return self._extent.offset
+
+    def commit(self, expected_checksum: int | None = None) -> None:
+        """Publish the written bytes under the key (checksummed now).
+
+        With ``expected_checksum`` (the writer's XXH3-64 of what it sent), bytes
+        that arrived damaged are revoked instead and ChecksumMismatch raised.
+        """
         extent = self._take()
         self.buffer.release()
-        self._store._commit(self.key, extent, self.depth)
+        self._store._commit(self.key, extent, self.depth, expected_checksum)
 
     def revoke(self) -> None:
         """Give the space back; nothing becomes visible."""

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator
 import xxhash
 
 from kvstore_client.buffers import byte_view
-from kvstore_client.errors import BufferTooSmall, CapacityError, InvalidValue, UnknownNamespace
+from kvstore_client.errors import BufferTooSmall, CapacityError, ChecksumMismatch, InvalidValue, UnknownNamespace
 from kvstore_client.keys import BlockKey, check_key
 from kvstore.node.block_table import DRAM, SSD, TIER_NAMES, BlockMeta, TierCounters
 from kvstore.node.config import StoreConfig
@@ -105,9 +105,12 @@ class BlockStore:
         with self.reserve(key, len(data), depth=depth) as res:
             res.buffer[:] = data
 
-    def _commit(self, key: BlockKey, extent: Extent, depth: int) -> None:
+    def _commit(self, key: BlockKey, extent: Extent, depth: int, expected: int | None = None) -> None:
         """Publish a written extent (called by Reservation.commit)."""
         checksum = _checksum(self._dram.writable(extent))
+        if expected is not None and checksum != expected:
+            self._dram.abort(extent)
+            raise ChecksumMismatch(f"block {key!r:.60} arrived damaged: checksum {checksum:#x} != {expected:#x}")
         with self._lock:
             if self._closed:
                 self._dram.abort(extent)
@@ -181,6 +184,21 @@ class BlockStore:
             yield self._verified(key, extent)
         finally:
             self._dram.release(extent)
+
+    def lease(self, key: BlockKey) -> "Lease | None":
+        """Pin a DRAM block's bytes in place for a reader outside this process
+        (network send, same-host client); None on a miss. A block found only
+        on SSD is promoted first; if it cannot be (DRAM full), None is returned
+        with the block still stored: read it with ``get`` instead.
+        Every lease must be released."""
+        key = self._check_key(key)
+        meta, extent = self._lookup(key)
+        if meta is not None and extent is None:
+            if self._get_from_ssd(key, meta) is None:
+                return None
+            with self._lock:
+                extent = self._dram.acquire(key)
+        return None if extent is None else Lease(self._dram, key, extent)
 
     def _lookup(self, key: BlockKey) -> tuple[BlockMeta | None, Extent | None]:
         """Find a block, count the hit or miss, and lease it if it is in DRAM."""
@@ -374,3 +392,25 @@ class BlockStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Lease:
+    """A read lease on one DRAM block: its bytes stay put until ``release``.
+
+    ``offset``/``size`` locate the block in the shared arena (for same-host
+    readers), ``view`` is a read-only memoryview of it, ``checksum`` its XXH3-64.
+    """
+
+    __slots__ = ("key", "offset", "size", "checksum", "view", "_dram", "_extent")
+
+    def __init__(self, dram: DramTier, key: BlockKey, extent: Extent):
+        self.key = key
+        self.offset, self.size, self.checksum = extent.offset, extent.size, extent.checksum
+        self.view = dram.view(extent)
+        self._dram, self._extent = dram, extent
+
+    def release(self) -> None:
+        extent, self._extent = self._extent, None
+        if extent is not None:
+            self.view.release()
+            self._dram.release(extent)

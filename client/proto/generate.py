@@ -1,0 +1,56 @@
+"""Regenerate kvstore_pb2.py and kvstore_pb2_grpc.py from proto/kvstore.proto.
+
+    python -m kvstore_client.proto.generate [--check]
+
+Run from the repository root. ``--check`` exits 1 when the checked-in code is
+stale (what tests/test_proto.py asserts).
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+OUTPUTS = ("kvstore_pb2.py", "kvstore_pb2_grpc.py", "kvstore_pb2.pyi")
+
+
+def proto_dir() -> Path:
+    for root in (Path.cwd(), HERE.parent.parent):
+        if (root / "proto" / "kvstore.proto").exists():
+            return root / "proto"
+    raise SystemExit("proto/kvstore.proto not found: run from the repository root")
+
+
+def generate(out_dir: Path) -> None:
+    from grpc_tools import protoc
+
+    src = proto_dir()
+    args = ["protoc", f"-I{src}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
+            f"--grpc_python_out={out_dir}", str(src / "kvstore.proto")]
+    if protoc.main(args) != 0:
+        raise SystemExit("protoc failed")
+    grpc_file = out_dir / "kvstore_pb2_grpc.py"  # generated code imports its sibling absolutely
+    grpc_file.write_text(grpc_file.read_text().replace(
+        "import kvstore_pb2 as kvstore__pb2", "from kvstore_client.proto import kvstore_pb2 as kvstore__pb2"))
+
+
+def main() -> None:
+    if "--check" in sys.argv:
+        with tempfile.TemporaryDirectory() as tmp:
+            generate(Path(tmp))
+            stale = [f for f in OUTPUTS if not filecmp.cmp(Path(tmp) / f, HERE / f, shallow=False)]
+        if stale:
+            print("stale generated code:", ", ".join(stale), "- run python -m kvstore_client.proto.generate")
+            raise SystemExit(1)
+        print("generated code is up to date")
+        return
+    generate(HERE)
+    print("wrote", ", ".join(OUTPUTS), "to", os.path.relpath(HERE))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    DRAM: _ClassVar[Tier]
+    SSD: _ClassVar[Tier]
+TIER_UNSPECIFIED: Tier
+DRAM: Tier
+SSD: Tier
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "host", "machine_id", "data_address", "unix_socket", "shm_arena", "metrics_address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SHM_ARENA_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    host: str
+    machine_id: str
+    data_address: str
+    unix_socket: str
+    shm_arena: str
+    metrics_address: str
+    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., machine_id: _Optional[str] = ..., data_address: _Optional[str] = ..., unix_socket: _Optional[str] = ..., shm_arena: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "capacity", "used", "blocks", "hits", "misses", "evictions", "demotions", "promotions", "checksum_failures")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    capacity: int
+    used: int
+    blocks: int
+    hits: int
+    misses: int
+    evictions: int
+    demotions: int
+    promotions: int
+    checksum_failures: int
+    def __init__(self, tier: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ...) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("info", "tiers", "alive", "seconds_since_heartbeat", "indexed_blocks")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    info: NodeInfo
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    alive: bool
+    seconds_since_heartbeat: float
+    indexed_blocks: int
+    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., alive: _Optional[bool] = ..., seconds_since_heartbeat: _Optional[float] = ..., indexed_blocks: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: NodeInfo
+    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("heartbeat_interval_s", "ttl_s")
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_s: float
+    ttl_s: float
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "tiers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("kind", "tier", "digest")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[BlockEvent.Kind]
+        STORED: _ClassVar[BlockEvent.Kind]
+        REMOVED: _ClassVar[BlockEvent.Kind]
+    KIND_UNSPECIFIED: BlockEvent.Kind
+    STORED: BlockEvent.Kind
+    REMOVED: BlockEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    kind: BlockEvent.Kind
+    tier: Tier
+    digest: bytes
+    def __init__(self, kind: _Optional[_Union[BlockEvent.Kind, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("namespace", "events")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
+    def __init__(self, namespace: _Optional[str] = ..., events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...
+
+class BlockReport(_message.Message):
+    __slots__ = ("node_id", "full_inventory", "batches")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FULL_INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    full_inventory: bool
+    batches: _containers.RepeatedCompositeFieldContainer[EventBatch]
+    def __init__(self, node_id: _Optional[str] = ..., full_inventory: _Optional[bool] = ..., batches: _Optional[_Iterable[_Union[EventBatch, _Mapping]]] = ...) -> None: ...
+
+class ReportReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class KeyBatch(_message.Message):
+    __slots__ = ("namespace", "digests")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("node_id", "tier")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    tier: Tier
+    def __init__(self, node_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class KeyLocation(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class LocateReply(_message.Message):
+    __slots__ = ("locations", "nodes")
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    locations: _containers.RepeatedCompositeFieldContainer[KeyLocation]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, locations: _Optional[_Iterable[_Union[KeyLocation, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class MatchPrefixReply(_message.Message):
+    __slots__ = ("node_prefix_blocks", "longest")
+    class NodePrefixBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LONGEST_FIELD_NUMBER: _ClassVar[int]
+    node_prefix_blocks: _containers.ScalarMap[str, int]
+    longest: int
+    def __init__(self, node_prefix_blocks: _Optional[_Mapping[str, int]] = ..., longest: _Optional[int] = ...) -> None: ...
+
+class PlaceRequest(_message.Message):
+    __slots__ = ("namespace", "bytes", "replicas", "machine_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    bytes: int
+    replicas: int
+    machine_id: str
+    def __init__(self, namespace: _Optional[str] = ..., bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., machine_id: _Optional[str] = ...) -> None: ...
+
+class PlaceReply(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class ClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterStatusReply(_message.Message):
+    __slots__ = ("nodes", "indexed_keys", "replication_factor")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    indexed_keys: int
+    replication_factor: int
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., indexed_keys: _Optional[int] = ..., replication_factor: _Optional[int] = ...) -> None: ...
+
+class ListKeysRequest(_message.Message):
+    __slots__ = ("namespace", "limit", "start_after")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    START_AFTER_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    limit: int
+    start_after: bytes
+    def __init__(self, namespace: _Optional[str] = ..., limit: _Optional[int] = ..., start_after: _Optional[bytes] = ...) -> None: ...
+
+class KeyEntry(_message.Message):
+    __slots__ = ("namespace", "digest", "replicas")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    digest: bytes
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, namespace: _Optional[str] = ..., digest: _Optional[bytes] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class ListKeysReply(_message.Message):
+    __slots__ = ("keys", "namespaces")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[KeyEntry]
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[_Union[KeyEntry, _Mapping]]] = ..., namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
