@@ -1,7 +1,9 @@
 """kvstore_client: the SDK an inference engine imports.
 
-Today it holds block keys, chained block hashing and the typed errors shared
-with the server; the networked Client arrives with the cluster service.
+``Client`` / ``AsyncClient`` talk to a kvstore pool; ``BlockHasher`` turns
+tokens into chained block keys; every error is a ``KVStoreError``. The
+clients load on first use, so importing the package for keys and hashing
+stays cheap (no gRPC).
 """
 
 from kvstore_client.errors import (
@@ -13,22 +15,27 @@ from kvstore_client.errors import (
     InvalidValue,
     KVStoreError,
     ReservationError,
+    ServiceUnavailable,
     UnknownNamespace,
 )
 from kvstore_client.hashing import BlockHasher, chain_hashes, namespace_name, namespace_seed
 from kvstore_client.keys import BlockKey, make_key, make_keys
 
 __all__ = [
+    "AsyncClient",
     "BlockHasher",
     "BlockKey",
     "BufferTooSmall",
     "CapacityError",
+    "Client",
     "ChecksumMismatch",
     "ConfigError",
     "InvalidKey",
     "InvalidValue",
     "KVStoreError",
+    "PrefixMatch",
     "ReservationError",
+    "ServiceUnavailable",
     "UnknownNamespace",
     "chain_hashes",
     "make_key",
@@ -36,3 +43,15 @@ __all__ = [
     "namespace_name",
     "namespace_seed",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("Client", "PrefixMatch"):
+        from kvstore_client import client
+
+        return getattr(client, name)
+    if name == "AsyncClient":
+        from kvstore_client.aio import AsyncClient
+
+        return AsyncClient
+    raise AttributeError(f"module 'kvstore_client' has no attribute {name!r}")

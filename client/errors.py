@@ -46,3 +46,25 @@ class ReservationError(KVStoreError):
 
 class ChecksumMismatch(KVStoreError):
     """Bytes read back do not match the checksum stored with them."""
+
+
+class ServiceUnavailable(KVStoreError):
+    """The master (or every node that could serve the call) cannot be reached."""
+
+
+class TransportError(KVStoreError, ConnectionError):
+    """The connection to a node failed or died mid-transfer; open a new one."""
+
+
+class ProtocolError(KVStoreError):
+    """A frame broke the data-plane protocol (bad magic, unknown op, inconsistent
+    table, unknown lease...). ``status`` is the wire status code; the node closes
+    the connection after reporting one, so the connection is unusable afterwards."""
+
+    def __init__(self, message: str, status: int = 7):
+        super().__init__(message)
+        self.status = status
+
+
+class RemoteError(KVStoreError):
+    """The node failed internally while serving a request (a bug or a broken disk)."""

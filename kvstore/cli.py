@@ -49,5 +49,189 @@ def demo(data_dir, dram, ssd, blocks, block_size, policy, as_json) -> None:
         raise SystemExit(1)
 
 
+# -- services ------------------------------------------------------------------------------
+
+
+def store_options(f):
+    """Options shared by `node` and `up`: the node's tiers and eviction."""
+    options = [
+        click.option("--data-dir", default="./kvstore-data", show_default=True,
+                     help="Directory for the SSD tier and the node's id."),
+        click.option("--dram", type=SIZE, default="1GiB", show_default=True, help="DRAM tier capacity."),
+        click.option("--ssd", type=SIZE, default="8GiB", show_default=True, help="SSD tier capacity (0: no SSD tier)."),
+        click.option("--max-block", type=SIZE, default="16MiB", show_default=True, help="Largest block accepted."),
+        click.option("--policy", type=click.Choice(["lru", "lfu", "length_aware"]), default="lru", show_default=True,
+                     help="Eviction policy."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def build_store_config(data_dir, dram, ssd, max_block, policy):
+    import os
+
+    from kvstore.node.config import StoreConfig
+
+    return StoreConfig(dram_capacity=dram, ssd_path=os.path.join(data_dir, "ssd") if ssd else None,
+                       ssd_capacity=ssd, max_block_bytes=max_block, policy=policy)
+
+
+def announce(as_json: bool, lines: list[str], record: dict) -> None:
+    """Say where things listen: for people, or one JSON line for scripts."""
+    click.echo(json.dumps(record) if as_json else "\n".join(lines))
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=7700, show_default=True, help="gRPC port (0: any free port).")
+@click.option("--metrics-port", type=int, default=7702, show_default=True, help="Prometheus port (0: any, -1: off).")
+@click.option("--ttl", type=float, default=5.0, show_default=True, help="Seconds without heartbeat before a node is dropped.")
+@click.option("--replicas", type=int, default=1, show_default=True, help="Copies of each block (best effort).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
+def master(host, port, metrics_port, ttl, replicas, as_json) -> None:
+    """Run the master: membership, the global prefix index and placement."""
+    from kvstore.serving import serve_until_signalled
+
+    server = start_master(host, port, metrics_port, ttl, replicas)
+    announce(as_json, [f"kvstore master listening on {server.address}"] +
+             ([f"metrics on http://{server.metrics_address}/metrics"] if server.metrics_address else []),
+             {"master": server.address, "metrics": server.metrics_address})
+    serve_until_signalled([server.stop])
+
+
+def start_master(host, port, metrics_port, ttl, replicas):
+    from kvstore.master.server import MasterServer
+
+    return MasterServer(host=host, port=port, ttl_s=ttl, heartbeat_interval_s=min(1.0, ttl / 3),
+                        replication_factor=replicas,
+                        metrics_port=None if metrics_port < 0 else metrics_port).start()
+
+
+@main.command()
+@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True, help="The master's host:port.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve blocks on.")
+@click.option("--port", type=int, default=7701, show_default=True, help="Data-plane TCP port (0: any free port).")
+@click.option("--metrics-port", type=int, default=7703, show_default=True, help="Prometheus port (0: any, -1: off).")
+@click.option("--advertise", default=None, help="Host name clients should use to reach this node (default: --host).")
+@store_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
+def node(master_address, host, port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json) -> None:
+    """Run a storage node: DRAM and SSD tiers served to clients, reported to the master."""
+    from kvstore.serving import serve_until_signalled
+
+    storage = start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise)
+    announce(as_json, node_lines(storage), node_record(storage))
+    serve_until_signalled([storage.stop])
+
+
+def start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise=None):
+    from kvstore.node.daemon import NodeOptions, StorageNode
+
+    config = build_store_config(data_dir, dram, ssd, max_block, policy)
+    options = NodeOptions(master=master_address, host=host, port=port, data_dir=data_dir, advertise=advertise,
+                          metrics_port=None if metrics_port < 0 else metrics_port)
+    return StorageNode(config, options).start()
+
+
+def node_record(storage) -> dict:
+    info = storage.info()
+    return {"node_id": info.node_id, "data": info.data_address, "unix_socket": info.unix_socket,
+            "shm_arena": info.shm_arena, "metrics": info.metrics_address}
+
+
+def node_lines(storage) -> list[str]:
+    from kvstore.units import format_size
+
+    info, cfg = storage.info(), storage.config
+    lines = [f"kvstore node {info.node_id} serving blocks on {info.data_address}"
+             + (f" and {info.unix_socket}" if info.unix_socket else ""),
+             f"  DRAM tier {format_size(cfg.dram_capacity)} in shared memory /{info.shm_arena}"]
+    if cfg.ssd_path:
+        lines.append(f"  SSD tier {format_size(cfg.ssd_capacity)} under {cfg.ssd_path}")
+    if info.metrics_address:
+        lines.append(f"  metrics on http://{info.metrics_address}/metrics")
+    return lines
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=7700, show_default=True, help="Master gRPC port (0: any free port).")
+@click.option("--data-port", type=int, default=7701, show_default=True, help="Node data-plane port (0: any).")
+@click.option("--metrics-port", type=int, default=7702, show_default=True,
+              help="Master metrics port; the node's is the next one (0: any, -1: off).")
+@store_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
+def up(host, port, data_port, metrics_port, data_dir, dram, ssd, max_block, policy, as_json) -> None:
+    """Run the embedded default: a master and one storage node in this process."""
+    from kvstore.serving import serve_until_signalled
+
+    master_server = start_master(host, port, metrics_port, 5.0, 1)
+    node_metrics = metrics_port + 1 if metrics_port > 0 else metrics_port
+    storage = start_node(master_server.address, host, data_port, node_metrics, data_dir, dram, ssd, max_block, policy)
+    announce(as_json, [f"kvstore up: master on {master_server.address}"] + node_lines(storage) +
+             [f"try: kvstore status --master {master_server.address}"],
+             {"master": master_server.address, "master_metrics": master_server.metrics_address, **node_record(storage)})
+    serve_until_signalled([storage.stop, master_server.stop])
+
+
+# -- inspection --------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True, help="The master's host:port.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def status(master_address, as_json) -> None:
+    """Show the pool: nodes, their tiers, use, blocks and hit rates."""
+    from kvstore.admin import cluster_status_record, format_status
+
+    with connect(master_address) as client:
+        record = cluster_status_record(client.cluster_status())
+    click.echo(json.dumps(record, indent=2) if as_json else format_status(record))
+
+
+@main.command()
+@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True, help="The master's host:port.")
+@click.option("--namespace", default="", help="Only this namespace (default: all).")
+@click.option("--limit", type=int, default=50, show_default=True, help="How many keys to list.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def keys(master_address, namespace, limit, as_json) -> None:
+    """List blocks in the pool with the nodes and tiers that hold them."""
+    from kvstore.admin import format_keys, keys_record
+
+    with connect(master_address) as client:
+        record = keys_record(client.list_keys(namespace=namespace, limit=limit))
+    click.echo(json.dumps(record, indent=2) if as_json else format_keys(record))
+
+
+@main.command()
+@click.option("--master", "master_address", default=None, help="Benchmark this pool (default: start an embedded one).")
+@click.option("--sizes", default="64KiB,1MiB,4MiB", show_default=True, help="Comma-separated value sizes.")
+@click.option("--ops", default=",".join(("put", "get_into", "batch_put", "batch_get_into")), show_default=True)
+@click.option("--bytes", "count_bytes", type=SIZE, default="256MiB", show_default=True, help="Data moved per op and size.")
+@click.option("--batch", type=int, default=64, show_default=True, help="Blocks per batch call.")
+@click.option("--transport", type=click.Choice(["tcp", "shm"]), default="shm", show_default=True)
+@click.option("--dram", type=SIZE, default="2GiB", show_default=True, help="DRAM of the embedded pool's node.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON records.")
+def bench(master_address, sizes, ops, count_bytes, batch, transport, dram, as_json) -> None:
+    """Measure put/get throughput and latency of a pool through the SDK."""
+    from kvstore.benchmark import run
+
+    results = run(master_address, [parse_size(s) for s in sizes.split(",")], ops.split(","), count_bytes, batch,
+                  transport, dram)
+    if as_json:
+        click.echo(json.dumps(results, indent=2))
+        return
+    click.echo(f"{'op':<16}{'size':>10}{'GB/s':>9}{'ops/s':>12}{'p50 ms':>9}{'p99 ms':>9}")
+    for r in results:
+        click.echo(f"{r['op']:<16}{r['size']:>10}{r['gbps']:>9}{r['ops_per_s']:>12}{r['p50_ms']:>9}{r['p99_ms']:>9}")
+
+
+def connect(master_address: str):
+    from kvstore_client.client import Client
+
+    return Client(master_address)
+
+
 if __name__ == "__main__":
     main()

@@ -295,6 +295,18 @@ class BlockStore:
     def __len__(self) -> int:
         return len(self._table)
 
+    def inventory(self, then: Callable[[], None] | None = None) -> list[tuple[BlockKey, str]]:
+        """Every stored block and its tier, as one consistent snapshot.
+
+        ``then`` runs under the same lock right after the snapshot: a listener's
+        queue cleared there holds exactly the events that come after it.
+        """
+        with self._lock:
+            snapshot = [(key, TIER_NAMES[meta.tier]) for key, meta in self._table.items()]
+            if then is not None:
+                then()
+            return snapshot
+
     # -- removal and pinning ------------------------------------------------------------
     def remove(self, key: BlockKey) -> bool:
         """Drop the block from every tier; False if it was not stored."""

@@ -1,0 +1,329 @@
+"""Client: what an inference engine uses to share KV blocks through a kvstore pool.
+
+Control traffic (where blocks live, where to put them) goes to the master over
+gRPC; block bytes go straight to storage nodes over the data plane: shared
+memory when the node is on this host, TCP otherwise.
+
+Thread-safe: one Client may serve many threads (each thread gets its own
+data-plane connections). ``AsyncClient`` offers the same calls to asyncio code.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import grpc
+
+from kvstore_client.buffers import byte_view
+from kvstore_client.connect import open_connection
+from kvstore_client.errors import InvalidValue, ServiceUnavailable
+from kvstore_client.hashing import BlockHasher
+from kvstore_client.hostid import machine_id
+from kvstore_client.keys import BlockKey, check_key
+from kvstore_client.locations import LocationCache
+from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+@dataclass
+class PrefixMatch:
+    """How much of a prefix chain the pool holds: ``longest`` leading blocks
+    somewhere, and per node the leading blocks that node holds by itself."""
+
+    longest: int
+    per_node: dict[str, int] = field(default_factory=dict)
+
+
+class Client:
+    """A handle on one kvstore pool, reached through its master at ``master`` (host:port).
+
+    ``prefer_shm``: use shared memory with nodes on this host. ``location_ttl``:
+    seconds a block location stays cached. ``replicas``: copies per put
+    (0 = the master's replication factor). ``verify``: check block checksums
+    on every read (cheap: XXH3-64).
+    """
+
+    def __init__(self, master: str, *, prefer_shm: bool = True, location_ttl: float = 2.0,
+                 placement_ttl: float = 1.0, replicas: int = 0, verify: bool = True, timeout: float = 10.0):
+        self.master = master
+        self.prefer_shm = prefer_shm
+        self.replicas = replicas
+        self.verify = verify
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(master, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.MasterStub(self._channel)
+        self._locations = LocationCache(location_ttl)
+        self._placement_ttl = placement_ttl
+        self._placements: dict[str, tuple[float, list[pb.NodeInfo]]] = {}
+        self._nodes: dict[str, pb.NodeInfo] = {}
+        self._lock = threading.Lock()  # guards _nodes, _placements and _all_connections
+        self._local = threading.local()
+        self._all_connections: list = []
+        self._closed = False
+
+    # -- writes -------------------------------------------------------------------------
+    def put(self, key: BlockKey, value, *, depth: int = 0) -> None:
+        """Store one block (any contiguous buffer) in the pool."""
+        self.batch_put([key], [value], depths=[depth])
+
+    def batch_put(self, keys: Sequence[BlockKey], values: Sequence, *, depths: Sequence[int] | None = None) -> None:
+        """Store blocks; the master places them (local node first, else the one with most free space).
+
+        Raises the typed error of the first block the primary node refused;
+        replicas are best effort.
+        """
+        keys = [check_key(k) for k in keys]
+        if len(values) != len(keys):
+            raise InvalidValue(f"{len(keys)} keys but {len(values)} values")
+        if not keys:
+            return
+        depths = list(depths) if depths is not None else [0] * len(keys)
+        views = [byte_view(v) for v in values]
+        for namespace, idx in _group_by_namespace(keys).items():
+            nodes = self._placement(namespace, sum(len(views[i]) for i in idx))
+            items = [(keys[i], views[i], depths[i]) for i in idx]
+            primary, *replicas = nodes
+            refused = [e for e in self._on_node(primary, lambda c: c.put_many(items)) if e is not None]
+            if refused:
+                raise refused[0]
+            stored_on = [primary.node_id]
+            for node in replicas:
+                try:
+                    refused = [e for e in self._on_node(node, lambda c: c.put_many(items)) if e is not None]
+                except OSError as exc:
+                    refused = [exc]
+                if refused:
+                    log.warning("replica put to %s failed: %s", node.node_id, refused[0])
+                else:
+                    stored_on.append(node.node_id)
+            located = tuple((n, pb.DRAM) for n in stored_on)
+            self._locations.remember((keys[i], located) for i in idx)
+
+    # -- reads ----------------------------------------------------------------------------
+    def get(self, key: BlockKey) -> bytes | None:
+        """The block's bytes, or None when no node holds it."""
+        return self.batch_get([key])[0]
+
+    def batch_get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        return self._read([check_key(k) for k in keys], None)
+
+    def get_into(self, key: BlockKey, buffer) -> int | None:
+        """Copy the block into ``buffer``; its size, or None when no node holds it."""
+        return self.batch_get_into([key], [buffer])[0]
+
+    def batch_get_into(self, keys: Sequence[BlockKey], buffers: Sequence) -> list[int | None]:
+        if len(buffers) != len(keys):
+            raise InvalidValue(f"{len(keys)} keys but {len(buffers)} buffers")
+        return self._read([check_key(k) for k in keys], [byte_view(b, writable=True) for b in buffers])
+
+    def _read(self, keys: list[BlockKey], buffers: list | None) -> list:
+        """Read each key from its best replica, falling back to the next on a miss or a dead node."""
+        results: list = [None] * len(keys)
+        candidates = [list(self._order(r)) for r in self._locate(keys)]
+        pending = [i for i in range(len(keys)) if candidates[i]]
+        while pending:
+            by_node: dict[str, list[int]] = {}
+            for i in pending:
+                by_node.setdefault(candidates[i].pop(0), []).append(i)
+            retry = []
+            for node_id, idx in by_node.items():
+                got = self._read_from(node_id, [keys[i] for i in idx], None if buffers is None else [buffers[i] for i in idx])
+                for i, value in zip(idx, got):
+                    if value is None:
+                        if candidates[i]:
+                            retry.append(i)
+                    else:
+                        results[i] = value
+                self._locations.forget(keys[i] for i, v in zip(idx, got) if v is None)
+            pending = retry
+        return results
+
+    def _read_from(self, node_id: str, keys: list[BlockKey], buffers: list | None) -> list:
+        node = self._nodes.get(node_id)
+        if node is None:
+            return [None] * len(keys)
+        try:
+            return self._on_node(node, lambda c: c.get_many(keys) if buffers is None else c.get_into_many(keys, buffers))
+        except OSError as exc:
+            log.warning("node %s unreachable (%s): trying other replicas", node_id, exc)
+            return [None] * len(keys)
+
+    def _on_node(self, node: pb.NodeInfo, call):
+        """``call(connection)``, redialling once: a cached connection may predate a node restart."""
+        try:
+            return call(self._conn(node))
+        except OSError:  # TransportError included
+            self._drop_conn(node.node_id)
+        try:
+            return call(self._conn(node))
+        except OSError:
+            self._drop_conn(node.node_id)
+            raise
+
+    # -- lookups ---------------------------------------------------------------------------
+    def exists(self, key: BlockKey) -> bool:
+        return self.batch_exists([key])[0]
+
+    def batch_exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether the master's index holds each key (uncached)."""
+        keys = [check_key(k) for k in keys]
+        return [bool(r) for r in self._locate(keys, use_cache=False)]
+
+    def match_prefix(self, keys: Sequence[BlockKey]) -> PrefixMatch:
+        """How many leading blocks of a prefix chain the pool holds, overall and per node."""
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return PrefixMatch(0)
+        namespace = keys[0][0]
+        if any(k[0] != namespace for k in keys):
+            raise InvalidValue("a prefix chain lives in one namespace")
+        reply = self._call(self._stub.MatchPrefix, pb.KeyBatch(namespace=namespace, digests=[k[1] for k in keys]))
+        return PrefixMatch(reply.longest, dict(reply.node_prefix_blocks))
+
+    def remove(self, key: BlockKey) -> bool:
+        """Remove the block from every node holding it; False if none did."""
+        key = check_key(key)
+        removed = False
+        for node_id, _ in self._locate([key], use_cache=False)[0]:
+            node = self._nodes.get(node_id)
+            if node is not None:
+                removed |= bool(self._on_node(node, lambda c: c.remove_many([key]))[0])
+        self._locations.forget([key])
+        return removed
+
+    # -- token-level helpers ---------------------------------------------------------------------
+    def store_prefix(self, hasher: BlockHasher, tokens: Sequence[int], blocks: Sequence) -> int:
+        """Store the KV blocks of ``tokens`` (one value per full block) that the pool lacks.
+
+        Returns how many blocks were written (those after the longest cached prefix).
+        """
+        keys = hasher.keys(tokens)
+        if len(blocks) < len(keys):
+            raise InvalidValue(f"{len(keys)} full blocks but {len(blocks)} values")
+        start = self.match_prefix(keys).longest
+        if start < len(keys):
+            self.batch_put(keys[start:], list(blocks[start : len(keys)]), depths=range(start, len(keys)))
+        return len(keys) - start
+
+    def load_prefix(self, hasher: BlockHasher, tokens: Sequence[int], buffers: Sequence) -> int:
+        """Load the longest cached prefix of ``tokens`` into ``buffers`` (one per block);
+        returns how many tokens are covered by the blocks loaded."""
+        keys = hasher.keys(tokens)
+        hit = self.match_prefix(keys).longest
+        got = self.batch_get_into(keys[:hit], list(buffers[:hit]))
+        loaded = next((i for i, n in enumerate(got) if n is None), len(got))
+        return loaded * hasher.block_size
+
+    # -- admin -----------------------------------------------------------------------------------
+    def cluster_status(self) -> pb.ClusterStatusReply:
+        return self._call(self._stub.ClusterStatus, pb.ClusterStatusRequest())
+
+    def list_keys(self, namespace: str = "", limit: int = 100, start_after: bytes = b"") -> pb.ListKeysReply:
+        return self._call(self._stub.ListKeys, pb.ListKeysRequest(namespace=namespace, limit=limit,
+                                                                   start_after=start_after))
+
+    # -- internals -------------------------------------------------------------------------------
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidValue(exc.details()) from None
+            raise ServiceUnavailable(f"master {self.master}: {exc.code().name} {exc.details()}") from None
+
+    def _locate(self, keys: list[BlockKey], use_cache: bool = True) -> list[tuple]:
+        """Replicas of each key: (node_id, tier) pairs, possibly empty."""
+        found = self._locations.lookup(keys) if use_cache else [None] * len(keys)
+        missing = [i for i, r in enumerate(found) if r is None]
+        for namespace, idx in _group_by_namespace([keys[i] for i in missing]).items():
+            positions = [missing[j] for j in idx]
+            reply = self._call(self._stub.Locate,
+                               pb.KeyBatch(namespace=namespace, digests=[keys[i][1] for i in positions]))
+            with self._lock:
+                for node in reply.nodes:
+                    self._nodes[node.node_id] = node
+            fresh = []
+            for i, location in zip(positions, reply.locations):
+                found[i] = tuple((r.node_id, r.tier) for r in location.replicas)
+                if found[i]:
+                    fresh.append((keys[i], found[i]))
+            self._locations.remember(fresh)
+        return found
+
+    def _order(self, replicas: tuple) -> list[str]:
+        """Replica preference: same host first, then DRAM before SSD."""
+        here = machine_id()
+
+        def rank(replica):
+            node = self._nodes.get(replica[0])
+            return (0 if node is not None and node.machine_id == here else 1, 0 if replica[1] == pb.DRAM else 1)
+
+        return [node_id for node_id, _ in sorted(replicas, key=rank)]
+
+    def _placement(self, namespace: str, nbytes: int) -> list[pb.NodeInfo]:
+        now = time.monotonic()
+        with self._lock:
+            cached = self._placements.get(namespace)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        reply = self._call(self._stub.Place, pb.PlaceRequest(namespace=namespace, bytes=nbytes,
+                                                              replicas=self.replicas, machine_id=machine_id()))
+        if not reply.nodes:
+            raise ServiceUnavailable("the master knows no live storage node to put blocks on")
+        nodes = list(reply.nodes)
+        with self._lock:
+            for node in nodes:
+                self._nodes[node.node_id] = node
+            self._placements[namespace] = (now + self._placement_ttl, nodes)
+        return nodes
+
+    def _conn(self, node: pb.NodeInfo):
+        conns = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(node.node_id)
+        if conn is None:
+            conn = open_connection(node, prefer_shm=self.prefer_shm, verify=self.verify)
+            conns[node.node_id] = conn
+            with self._lock:
+                self._all_connections.append(conn)
+        return conn
+
+    def _drop_conn(self, node_id: str) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop(node_id, None)
+        if conn is not None:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        with self._lock:
+            self._placements.clear()
+
+    def close(self) -> None:
+        """Close every data-plane connection and the master channel."""
+        with self._lock:
+            conns, self._all_connections = self._all_connections, []
+        for conn in conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _group_by_namespace(keys: Sequence[BlockKey]) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key[0], []).append(i)
+    return groups

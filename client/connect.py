@@ -1,0 +1,30 @@
+"""Choosing the data path to a node: shared memory on this host, else TCP."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from kvstore_client.hostid import machine_id
+
+log = logging.getLogger(__name__)
+
+
+def open_connection(node, *, prefer_shm: bool = True, verify: bool = True):
+    """A data-plane connection to ``node`` (a NodeInfo).
+
+    Same machine and the node's arena and Unix socket visible here: shared
+    memory (copies straight from and into the node's DRAM arena). Same machine
+    otherwise: the Unix socket. Anywhere else: TCP.
+    """
+    from kvstore_client import transport
+
+    same_host = node.machine_id == machine_id() and node.unix_socket and os.path.exists(node.unix_socket)
+    if same_host and prefer_shm and node.shm_arena:
+        try:
+            return transport.ShmConnection(node.unix_socket, node.shm_arena, verify=verify)
+        except OSError as exc:  # e.g. another container's /dev/shm: fall back to a socket
+            log.info("shared memory with %s unavailable (%s); using its socket", node.node_id, exc)
+    if same_host:
+        return transport.UnixConnection(node.unix_socket, verify=verify)
+    return transport.TcpConnection(node.data_address, verify=verify)

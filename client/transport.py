@@ -1,0 +1,581 @@
+"""Data-plane client connections: bulk block bytes between the SDK and one node.
+
+    TcpConnection("host:port")            framed binary over TCP
+    UnixConnection("/run/kvstore.sock")   the same frames over a Unix socket
+    ShmConnection(target, arena_name)     same host: reads and writes go straight
+                                          through the node's shared-memory arena;
+                                          the socket carries only small control frames
+
+A connection is one ordered byte stream and is NOT thread-safe: open one per
+thread (they are cheap: a socket and one INFO round trip). Frames are in
+``proto/dataplane.md``.
+
+Every call is a batch. Reads raise after the whole reply is consumed, so a
+per-key failure (BufferTooSmall, UnknownNamespace, ChecksumMismatch...) leaves
+the connection usable; misses are None. ``put_many`` reports per item instead
+of raising, because some items of a batch may be stored while others are not:
+it returns one ``None`` (stored) or typed exception instance per item, and
+``put`` raises that exception. A connection that died mid-transfer raises
+TransportError, a node that rejected a frame ProtocolError; both leave the
+connection closed. Big batches are split so that no frame exceeds the node's
+``max_frame_bytes``, with up to two frames in flight.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import struct
+from collections import deque
+from contextlib import contextmanager
+
+import xxhash
+
+from kvstore_client.buffers import byte_view
+from kvstore_client.errors import BufferTooSmall, ChecksumMismatch, ConfigError, InvalidValue, KVStoreError, \
+    ProtocolError, TransportError
+from kvstore_client.keys import BlockKey, check_key
+from kvstore_client.wire import (
+    FLAG_ABORT,
+    FLAG_NO_REPLY,
+    GET_ITEM,
+    HEADER_SIZE,
+    LEASE_ITEM,
+    PUT_ENTRY,
+    RESERVED_ITEM,
+    U64,
+    FrameReader,
+    Op,
+    Status,
+    error_for,
+    key_entry,
+    local_machine_id,
+    pack_header,
+    put_entry,
+    reserve_entry,
+    send_buffers,
+    unpack_header,
+)
+
+_checksum = xxhash.xxh3_64_intdigest
+WINDOW = 2  # frames in flight: the next is sent while the node answers the previous
+KEYS_PER_FRAME = 256  # keys-only requests stay small (< 64 KiB), so pipelining cannot deadlock
+UNIX_SOCKET_BUFFER = 4 << 20
+
+
+def _connect(target: str, timeout: float | None) -> socket.socket:
+    """A connected socket: a Unix socket for a path, TCP for "host:port"."""
+    try:
+        if "/" in target or ":" not in target:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            sock.connect(target)
+        else:
+            host, port = target.rsplit(":", 1)
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError as exc:
+        raise TransportError(f"cannot connect to data plane at {target}: {exc}") from exc
+    if sock.family == socket.AF_UNIX:  # small defaults; TCP autotunes better than any fixed size
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SOCKET_BUFFER)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UNIX_SOCKET_BUFFER)
+    return sock
+
+
+def _split(indices: list[int], costs: list[int], budget: int, max_items: int) -> list[list[int]]:
+    """Consecutive chunks of ``indices`` whose costs sum to at most ``budget`` (one item at least)."""
+    chunks, chunk, used = [], [], 0
+    for i in indices:
+        if chunk and (used + costs[i] > budget or len(chunk) >= max_items):
+            chunks.append(chunk)
+            chunk, used = [], 0
+        chunk.append(i)
+        used += costs[i]
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
+def _raise_first(errors: dict[int, KVStoreError]) -> None:
+    if errors:
+        raise errors[min(errors)]
+
+
+def _put_item(item) -> tuple[BlockKey, memoryview, int]:
+    key, value, *rest = item
+    depth = rest[0] if rest else 0
+    if type(depth) is not int or not 0 <= depth < 1 << 32:
+        raise InvalidValue(f"depth must be an int in [0, 2**32), got {depth!r}")
+    return check_key(key), byte_view(value), depth
+
+
+class DataPlaneConnection:
+    """Operations shared by every transport, over one stream socket. One per thread."""
+
+    def __init__(self, sock: socket.socket, *, verify: bool = True):
+        self.verify = verify  # check each block's XXH3-64 against the node's checksum
+        self._sock = sock
+        self._reader = FrameReader(sock)
+        self._request_id = 0
+        self._dead: str | None = None
+        try:
+            self._info = self.info(refresh=True)
+        except BaseException:
+            self.close()
+            raise
+        self.max_frame_bytes = int(self._info["max_frame_bytes"])
+        self.max_block_bytes = int(self._info["max_block_bytes"])
+        self.max_items = int(self._info["max_items"])
+
+    # -- framing ----------------------------------------------------------------------------
+    @contextmanager
+    def _stream(self):
+        """Any failure inside leaves the byte stream out of sync: the connection is closed."""
+        if self._dead is not None:
+            raise TransportError(f"connection is closed ({self._dead})")
+        try:
+            yield
+        except OSError as exc:
+            self._die(str(exc))
+            raise TransportError(f"data-plane connection failed: {exc}") from exc
+        except BaseException as exc:
+            self._die(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _die(self, reason: str) -> None:
+        self._dead = reason
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _send(self, op: int, count: int, table: bytes, payloads=(), body_extra: int = 0, flags: int = 0) -> int:
+        """Send one request frame (table, then payloads); its request id."""
+        self._request_id = request_id = (self._request_id + 1) & 0xFFFFFFFF
+        head = pack_header(op, request_id, count, len(table) + body_extra, flags=flags)
+        if payloads:
+            send_buffers(self._sock, [head + table, *payloads])
+        else:
+            self._sock.sendall(head + table)
+        return request_id
+
+    def _reply(self, op: int, request_id: int, count: int | None) -> int:
+        """Read a reply header for ``request_id``; its body_len. Error frames raise their typed error."""
+        r_op, status, _, r_id, r_count, body_len = unpack_header(self._reader.read(HEADER_SIZE))
+        if r_op == Op.ERROR or status != Status.OK:
+            message = bytes(self._reader.read(body_len)).decode(errors="replace") if body_len <= 65536 else ""
+            raise error_for(status, f"node rejected the request: {message}")
+        if r_op != op or r_id != request_id or (count is not None and r_count != count):
+            raise ProtocolError(f"reply (op {r_op}, id {r_id}, {r_count} items) does not answer "
+                                f"request (op {op}, id {request_id})")
+        return body_len
+
+    def _pipeline(self, chunks: list, send, receive) -> None:
+        """send(chunk) -> request id for each chunk, receive(chunk, request id) in order, WINDOW in flight."""
+        pending: deque = deque()
+        with self._stream():
+            for chunk in chunks:
+                pending.append((chunk, send(chunk)))
+                if len(pending) >= WINDOW:
+                    receive(*pending.popleft())
+            while pending:
+                receive(*pending.popleft())
+
+    def _keys_request(self, op: int, keys: list, chunk: list[int], flags: int = 0) -> int:
+        return self._send(op, len(chunk), b"".join([key_entry(keys[j]) for j in chunk]), flags=flags)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def get_into_many(self, keys, buffers) -> list[int | None]:
+        """Copy each block into its buffer (any writable contiguous buffer); sizes, None for misses.
+
+        Over a socket the bytes are received straight into the buffers. Raises
+        BufferTooSmall (``.needed``) for a block larger than its buffer, after
+        filling every other buffer.
+        """
+        keys = [check_key(k) for k in keys]
+        views = [byte_view(b, writable=True) for b in buffers]
+        if len(views) != len(keys):
+            raise InvalidValue(f"{len(keys)} keys but {len(views)} buffers")
+        results: list = [None] * len(keys)
+        errors: dict[int, KVStoreError] = {}
+
+        def target(j: int, size: int):
+            if size > len(views[j]):
+                errors[j] = BufferTooSmall(f"block {j} is {size} bytes, buffer holds {len(views[j])}", size)
+                return None
+            results[j] = size
+            return views[j][:size]
+
+        self._read(keys, list(range(len(keys))), [len(v) for v in views], target, errors)
+        for j in errors:
+            results[j] = None
+        _raise_first(errors)
+        return results
+
+    def get_many(self, keys) -> list[bytes | None]:
+        """Each block's bytes, None for misses (get_into_many avoids the allocation)."""
+        keys = [check_key(k) for k in keys]
+        out: dict[int, bytearray] = {}
+        errors: dict[int, KVStoreError] = {}
+
+        def target(j: int, size: int):
+            out[j] = buf = bytearray(size)
+            return memoryview(buf)
+
+        # sizes are unknown: chunk by count; the node defers what overflows a frame (FRAME_TOO_LARGE)
+        self._read(keys, list(range(len(keys))), [0] * len(keys), target, errors)
+        _raise_first(errors)
+        return [bytes(out[j]) if j in out else None for j in range(len(keys))]
+
+    def _read(self, keys: list, todo: list[int], costs: list[int], target, errors: dict) -> None:
+        """GET ``keys[j]`` for j in todo, block j into ``target(j, size)`` (a view, or None to drop it);
+        per-key failures go to ``errors``. Frames hold at most ``max_frame_bytes`` of ``costs``."""
+        budget = self.max_frame_bytes - KEYS_PER_FRAME * GET_ITEM.size
+        while todo:
+            deferred: list[int] = []
+
+            def receive(chunk: list[int], request_id: int) -> None:
+                body_len = self._reply(Op.GET, request_id, len(chunk))
+                items = list(GET_ITEM.iter_unpack(self._reader.read(len(chunk) * GET_ITEM.size)))
+                if body_len != len(chunk) * GET_ITEM.size + sum(s for st, s, _ in items if st == Status.OK):
+                    raise ProtocolError("GET reply body_len does not match its table")
+                for j, (status, size, checksum) in zip(chunk, items):
+                    if status == Status.OK:
+                        self._receive_block(j, size, checksum, target, errors)
+                    elif status == Status.FRAME_TOO_LARGE:
+                        deferred.append(j)
+                    elif status != Status.NOT_FOUND:
+                        errors[j] = error_for(status)
+
+            chunks = _split(todo, costs, budget, KEYS_PER_FRAME)
+            self._pipeline(chunks, lambda chunk: self._keys_request(Op.GET, keys, chunk), receive)
+            todo = deferred
+
+    def _receive_block(self, j: int, size: int, checksum: int, target, errors: dict) -> None:
+        out = target(j, size)
+        if out is None:
+            self._reader.skip(size)
+            return
+        self._reader.readinto(out)
+        if self.verify and _checksum(out) != checksum:
+            errors[j] = ChecksumMismatch(f"block {j} arrived damaged (checksum mismatch)")
+
+    def get_into(self, key: BlockKey, buffer) -> int | None:
+        return self.get_into_many([key], [buffer])[0]
+
+    def get(self, key: BlockKey) -> bytes | None:
+        return self.get_many([key])[0]
+
+    # -- writes --------------------------------------------------------------------------------
+    def put_many(self, items) -> list[KVStoreError | None]:
+        """Store ``(key, value[, depth])`` items; per item None (stored) or the typed error.
+
+        Values are any contiguous buffers; empty or oversized values get
+        InvalidValue without being sent. Connection failures raise.
+        """
+        results: list = [None] * len(items)
+        ready: dict[int, tuple] = {}
+        for i, item in enumerate(items):
+            try:
+                key, view, depth = _put_item(item)
+                if not 0 < len(view) <= self.max_block_bytes:
+                    raise InvalidValue(f"value of {len(view)} bytes: must be 1..{self.max_block_bytes} (max_block_bytes)")
+            except KVStoreError as exc:
+                results[i] = exc
+                continue
+            ready[i] = (key, view, depth)
+        self._put(ready, results)
+        return results
+
+    def _put(self, ready: dict[int, tuple], results: list) -> None:
+        costs = {i: len(view) + PUT_ENTRY.size + 192 for i, (_, view, _) in ready.items()}
+
+        def send(chunk: list[int]) -> int:
+            table, payloads = [], []
+            for i in chunk:
+                key, view, depth = ready[i]
+                table.append(put_entry(key, depth, len(view), _checksum(view)))
+                payloads.append(view)
+            table_bytes = b"".join(table)
+            return self._send(Op.PUT, len(chunk), table_bytes, payloads, body_extra=sum(map(len, payloads)))
+
+        def receive(chunk: list[int], request_id: int) -> None:
+            self._statuses(Op.PUT, chunk, request_id, results)
+            for i in chunk:
+                results[i] = None if results[i] == Status.OK else error_for(results[i])
+
+        self._pipeline(_split(list(ready), costs, self.max_frame_bytes, self.max_items), send, receive)
+
+    def _statuses(self, op: int, chunk: list[int], request_id: int, out: list) -> None:
+        """Read a reply of one status byte per item into ``out[i]`` for i in chunk."""
+        if self._reply(op, request_id, len(chunk)) != len(chunk):
+            raise ProtocolError("status reply body_len does not match its count")
+        for i, status in zip(chunk, bytes(self._reader.read(len(chunk)))):
+            out[i] = status
+
+    def put(self, key: BlockKey, value, depth: int = 0) -> None:
+        error = self.put_many([(key, value, depth)])[0]
+        if error is not None:
+            raise error
+
+    # -- lookups and removal ------------------------------------------------------------------------
+    def exists_many(self, keys) -> list[bool]:
+        return self._flags(Op.EXISTS, keys)
+
+    def remove_many(self, keys) -> list[bool]:
+        """Drop each block from every tier of the node; True where one was stored."""
+        return self._flags(Op.REMOVE, keys)
+
+    def _flags(self, op: int, keys) -> list[bool]:
+        keys = [check_key(k) for k in keys]
+        statuses: list = [Status.NOT_FOUND] * len(keys)
+        chunks = _split(list(range(len(keys))), [0] * len(keys), 1, KEYS_PER_FRAME)
+        self._pipeline(chunks, lambda chunk: self._keys_request(op, keys, chunk),
+                       lambda chunk, rid: self._statuses(op, chunk, rid, statuses))
+        _raise_first({i: error_for(s) for i, s in enumerate(statuses) if s not in (Status.OK, Status.NOT_FOUND)})
+        return [s == Status.OK for s in statuses]
+
+    def exists(self, key: BlockKey) -> bool:
+        return self.exists_many([key])[0]
+
+    def remove(self, key: BlockKey) -> bool:
+        return self.remove_many([key])[0]
+
+    # -- node -----------------------------------------------------------------------------------
+    def info(self, refresh: bool = False) -> dict:
+        """The node's INFO: node_id, machine_id, arena, max_block_bytes, max_frame_bytes..."""
+        if not refresh:
+            return dict(self._info)
+        import json
+
+        with self._stream():
+            body_len = self._reply(Op.INFO, self._send(Op.INFO, 0, b""), 0)
+            self._info = json.loads(bytes(self._reader.read(body_len)))
+        return dict(self._info)
+
+    def ping(self) -> None:
+        with self._stream():
+            self._reader.skip(self._reply(Op.PING, self._send(Op.PING, 0, b""), 0))
+
+    def close(self) -> None:
+        if self._dead is None:
+            self._die("closed by the client")
+
+    @property
+    def closed(self) -> bool:
+        return self._dead is not None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class TcpConnection(DataPlaneConnection):
+    """Frames over TCP to ``address`` ("host:port"). One per thread."""
+
+    def __init__(self, address: str, *, verify: bool = True, timeout: float | None = None):
+        self.address = address
+        super().__init__(_connect(address, timeout), verify=verify)
+
+
+class UnixConnection(DataPlaneConnection):
+    """Frames over the node's Unix socket at ``path`` (same host). One per thread."""
+
+    def __init__(self, path: str, *, verify: bool = True, timeout: float | None = None):
+        self.path = path
+        super().__init__(_connect(path if "/" in path else "./" + path, timeout), verify=verify)
+
+
+class ShmLease:
+    """Zero-copy, read-only views of blocks leased in a node's arena (``views[j]``
+    is None for a miss or a block that is not in DRAM). The node keeps the
+    bytes in place, unevicted, until ``release`` (or the connection closes);
+    drop the views before releasing. A context manager."""
+
+    def __init__(self, conn: "ShmConnection", views: list, lease_ids: list[int]):
+        self.views = views
+        self._conn, self._ids = conn, lease_ids
+
+    def release(self) -> None:
+        for view in self.views:
+            if view is not None:
+                view.release()
+        ids, self._ids = self._ids, []
+        self._conn._release(ids)
+
+    def __enter__(self) -> "ShmLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class ShmConnection(DataPlaneConnection):
+    """Same-host transport: maps the node's DRAM arena (read/write) and copies
+    blocks straight between it and caller buffers. ``target`` is the node's
+    Unix socket path or "host:port"; it carries only small control frames.
+
+    Reads: LEASE (the node pins the blocks in place and says where they are),
+    copy into the caller's buffer, verify the XXH3-64, RELEASE (no round trip).
+    Blocks that are only on SSD and cannot be brought to DRAM are read with GET.
+    Writes: RESERVE (arena offsets), copy in, COMMIT with each value's
+    checksum, which the node verifies over the arena bytes. One per thread.
+    """
+
+    def __init__(self, target: str, arena_name: str | None = None, *, verify: bool = True,
+                 timeout: float | None = None):
+        self.target = target
+        super().__init__(_connect(target, timeout), verify=verify)
+        try:
+            self._mem = self._map_arena(arena_name)
+        except BaseException:
+            self.close()
+            raise
+
+    def _map_arena(self, arena_name: str | None) -> memoryview:
+        info = self._info
+        if info.get("machine_id") != local_machine_id():
+            raise TransportError(f"node at {self.target} runs on another host: use TcpConnection")
+        name = os.path.basename(arena_name or info["arena"])
+        if name != info["arena"]:
+            raise ConfigError(f"arena {name!r} is not the node's (it serves {info['arena']!r})")
+        path = os.path.join(os.path.dirname(info["arena_path"]), name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise TransportError(f"cannot map the node's arena {path}: {exc}") from exc
+        try:
+            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        return memoryview(self._mmap)
+
+    # -- reads -----------------------------------------------------------------------------
+    def _read(self, keys: list, todo: list[int], costs: list[int], target, errors: dict) -> None:
+        def copy(j: int, src: memoryview, checksum: int) -> None:
+            out = target(j, len(src))
+            if out is None:
+                return
+            out[:] = src
+            if self.verify and _checksum(out) != checksum:
+                errors[j] = ChecksumMismatch(f"block {j} copied from the arena does not match its checksum")
+
+        fallback = self._leased(keys, todo, costs, copy, errors, None)
+        if fallback:  # on SSD, and DRAM too full to bring them in: the node sends the bytes
+            super()._read(keys, fallback, costs, target, errors)
+
+    def lease_many(self, keys) -> ShmLease:
+        """Lease blocks and return zero-copy views of them (see ShmLease)."""
+        keys = [check_key(k) for k in keys]
+        views: list = [None] * len(keys)
+        errors: dict[int, KVStoreError] = {}
+        ids: list[int] = []
+
+        def keep(j: int, src: memoryview, checksum: int) -> None:
+            if self.verify and _checksum(src) != checksum:
+                errors[j] = ChecksumMismatch(f"leased block {j} does not match its checksum")
+            views[j] = src.toreadonly()
+
+        self._leased(keys, list(range(len(keys))), [0] * len(keys), keep, errors, ids)
+        lease = ShmLease(self, views, ids)
+        if errors:
+            lease.release()
+            _raise_first(errors)
+        return lease
+
+    def _leased(self, keys: list, todo: list[int], costs: list[int], on_block, errors: dict,
+                keep_ids: list | None) -> list[int]:
+        """LEASE keys[j] for j in todo and call ``on_block(j, arena view, checksum)`` for each
+        leased block; release each lease after (or append its id to ``keep_ids``).
+        Returns the indices stored but not in DRAM."""
+        not_in_dram: list[int] = []
+        mem, item = self._mem, LEASE_ITEM.size
+        while todo:
+            deferred: list[int] = []
+            for chunk in _split(todo, costs, self.max_frame_bytes, KEYS_PER_FRAME):
+                with self._stream():
+                    request_id = self._keys_request(Op.LEASE, keys, chunk)
+                    if self._reply(Op.LEASE, request_id, len(chunk)) != U64.size + len(chunk) * item:
+                        raise ProtocolError("LEASE reply body_len does not match its count")
+                    body = self._reader.read(U64.size + len(chunk) * item)
+                    lease_id = U64.unpack_from(body)[0]
+                    items = list(LEASE_ITEM.iter_unpack(body[U64.size :]))
+                if keep_ids is not None and lease_id:
+                    keep_ids.append(lease_id)
+                try:
+                    for j, (status, offset, size, checksum) in zip(chunk, items):
+                        if status == Status.OK:
+                            if offset + size > len(mem):
+                                raise ProtocolError(f"lease of {size} bytes at {offset} lies outside the arena")
+                            on_block(j, mem[offset : offset + size], checksum)
+                        elif status == Status.NOT_IN_DRAM:
+                            not_in_dram.append(j)
+                        elif status == Status.FRAME_TOO_LARGE:
+                            deferred.append(j)
+                        elif status != Status.NOT_FOUND:
+                            errors[j] = error_for(status)
+                finally:
+                    if keep_ids is None and lease_id:
+                        self._release([lease_id])
+            todo = deferred
+        return not_in_dram
+
+    def _release(self, lease_ids: list[int]) -> None:
+        """RELEASE without waiting: stream order applies it before our next request."""
+        if not lease_ids or self._dead is not None:
+            return  # a closed connection's leases are released by the node
+        with self._stream():
+            self._send(Op.RELEASE, len(lease_ids), b"".join(U64.pack(i) for i in lease_ids), flags=FLAG_NO_REPLY)
+
+    # -- writes ------------------------------------------------------------------------------
+    def _put(self, ready: dict[int, tuple], results: list) -> None:
+        costs = {i: len(view) for i, (_, view, _) in ready.items()}
+        for chunk in _split(list(ready), costs, self.max_frame_bytes, KEYS_PER_FRAME):
+            with self._stream():
+                table = b"".join([reserve_entry(ready[i][0], ready[i][2], len(ready[i][1])) for i in chunk])
+                request_id = self._send(Op.RESERVE, len(chunk), table)
+                size = U64.size + len(chunk) * RESERVED_ITEM.size
+                if self._reply(Op.RESERVE, request_id, len(chunk)) != size:
+                    raise ProtocolError("RESERVE reply body_len does not match its count")
+                body = self._reader.read(size)
+                reservation_id = U64.unpack_from(body)[0]
+                items = list(RESERVED_ITEM.iter_unpack(body[U64.size :]))
+            checksums, statuses, flags = [], [Status.OK] * len(results), 0
+            for i, (status, offset) in zip(chunk, items):
+                view = ready[i][1]
+                checksum = 0
+                if status == Status.OK:
+                    if offset + len(view) > len(self._mem):
+                        flags = FLAG_ABORT
+                    else:
+                        self._mem[offset : offset + len(view)] = view
+                        checksum = _checksum(view)
+                checksums.append(checksum)
+            if reservation_id:
+                with self._stream():
+                    request_id = self._send(Op.COMMIT, len(chunk), U64.pack(reservation_id)
+                                            + struct.pack(f"<{len(chunk)}Q", *checksums), flags=flags)
+                    self._statuses(Op.COMMIT, chunk, request_id, statuses)
+            else:
+                for i, (status, _) in zip(chunk, items):
+                    statuses[i] = status
+            if flags:
+                raise ProtocolError("the node reserved space outside its arena; the batch was aborted")
+            for i in chunk:
+                results[i] = None if statuses[i] == Status.OK else error_for(statuses[i])
+
+    def close(self) -> None:
+        super().close()
+        mem, self._mem = getattr(self, "_mem", None), None
+        if mem is not None:
+            mem.release()
+            try:
+                self._mmap.close()
+            except BufferError:  # a caller still holds a leased view: the GC unmaps later
+                pass
+
+
+__all__ = ["DataPlaneConnection", "ShmConnection", "ShmLease", "TcpConnection", "UnixConnection"]

@@ -1,0 +1,304 @@
+"""The data-plane wire format shared by SDK clients and storage nodes.
+
+Spec: ``proto/dataplane.md``. This module is the codec: frame and table
+layouts, status codes and their typed errors, key entry encoding/decoding,
+plus two duck-typed stream helpers (``FrameReader`` over anything with
+``recv_into``, ``send_buffers`` over anything with ``sendmsg``). It opens no
+connections and holds no shared state; everything here is thread-safe except
+a FrameReader, which belongs to one connection.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from enum import IntEnum
+from functools import lru_cache
+
+from kvstore_client.errors import (
+    CapacityError,
+    ChecksumMismatch,
+    InvalidKey,
+    InvalidValue,
+    KVStoreError,
+    ProtocolError,
+    RemoteError,
+    TransportError,
+    UnknownNamespace,
+)
+from kvstore_client.keys import MAX_DIGEST_LEN, BlockKey, check_key
+
+MAGIC = b"KV"
+VERSION = 1
+HEADER = struct.Struct("<2sBBHHIIQ")  # magic, version, op, status, flags, request_id, count, body_len
+HEADER_SIZE = HEADER.size  # 24
+MAX_ITEMS = 65536  # items in one frame
+MAX_ENTRY_BYTES = 22 + 255 + 255  # largest table entry (a PUT entry with maximal lengths)
+MAX_TABLE_BYTES = MAX_ITEMS * MAX_ENTRY_BYTES  # bound on a frame's item table
+
+# Table layouts (all little-endian).
+KEY_HEAD = struct.Struct("<BB")  # ns_len, dg_len; then namespace UTF-8, digest
+PUT_ENTRY = struct.Struct("<BBIQQ")  # ns_len, dg_len, depth, size, checksum; then ns, digest
+RESERVE_ENTRY = struct.Struct("<BBIQ")  # ns_len, dg_len, depth, size; then ns, digest
+GET_ITEM = struct.Struct("<BQQ")  # reply: status, size, checksum
+LEASE_ITEM = struct.Struct("<BQQQ")  # reply: status, offset, size, checksum
+RESERVED_ITEM = struct.Struct("<BQ")  # reply: status, offset
+U64 = struct.Struct("<Q")
+
+# Header flags.
+FLAG_REPLY = 0x1  # set on every frame a node sends
+FLAG_NO_REPLY = 0x2  # RELEASE only: the node sends nothing back
+FLAG_ABORT = 0x4  # COMMIT only: revoke the reservations instead of publishing them
+
+
+class Op(IntEnum):
+    ERROR = 0  # reply only: a frame-level error; the node then closes the connection
+    PING = 1
+    INFO = 2
+    GET = 3
+    PUT = 4
+    EXISTS = 5
+    REMOVE = 6
+    LEASE = 7
+    RELEASE = 8
+    RESERVE = 9
+    COMMIT = 10
+
+
+class Status(IntEnum):
+    OK = 0
+    NOT_FOUND = 1
+    INVALID_KEY = 2
+    INVALID_VALUE = 3  # empty or larger than max_block_bytes
+    UNKNOWN_NAMESPACE = 4
+    NO_CAPACITY = 5
+    CHECKSUM_MISMATCH = 6
+    BAD_FRAME = 7
+    FRAME_TOO_LARGE = 8  # frame level: body_len/count over the limit; GET item: not sent, ask again
+    UNSUPPORTED = 9  # unknown version or op
+    UNKNOWN_LEASE = 10  # unknown lease or reservation id
+    NOT_IN_DRAM = 11  # LEASE item stored but not in DRAM: read it with GET
+    INTERNAL = 12
+
+
+_ERROR_CLASSES: dict[int, type[KVStoreError]] = {
+    Status.INVALID_KEY: InvalidKey,
+    Status.INVALID_VALUE: InvalidValue,
+    Status.UNKNOWN_NAMESPACE: UnknownNamespace,
+    Status.NO_CAPACITY: CapacityError,
+    Status.CHECKSUM_MISMATCH: ChecksumMismatch,
+    Status.INTERNAL: RemoteError,
+}
+_STATUS_OF = [  # most specific first (the order matters for subclasses)
+    (InvalidKey, Status.INVALID_KEY),
+    (InvalidValue, Status.INVALID_VALUE),
+    (UnknownNamespace, Status.UNKNOWN_NAMESPACE),
+    (CapacityError, Status.NO_CAPACITY),
+    (ChecksumMismatch, Status.CHECKSUM_MISMATCH),
+]
+
+
+def error_for(status: int, message: str = "") -> KVStoreError:
+    """The typed exception for a non-OK wire status (not raised)."""
+    try:
+        name = Status(status).name
+    except ValueError:
+        name = f"status {status}"
+    message = message or name.lower().replace("_", " ")
+    cls = _ERROR_CLASSES.get(status)
+    if cls is not None:
+        return cls(message)
+    if status in (Status.BAD_FRAME, Status.FRAME_TOO_LARGE, Status.UNSUPPORTED, Status.UNKNOWN_LEASE):
+        return ProtocolError(message, status)
+    return RemoteError(f"{message} ({name})")
+
+
+def status_of(exc: BaseException) -> int:
+    """The wire status for an exception raised while serving a request."""
+    if isinstance(exc, ProtocolError):
+        return exc.status
+    for cls, status in _STATUS_OF:
+        if isinstance(exc, cls):
+            return status
+    return Status.INTERNAL
+
+
+# -- headers --------------------------------------------------------------------------
+def pack_header(op: int, request_id: int, count: int, body_len: int, *, status: int = 0, flags: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, op, status, flags, request_id, count, body_len)
+
+
+def unpack_header(data) -> tuple[int, int, int, int, int, int]:
+    """(op, status, flags, request_id, count, body_len); ProtocolError on bad magic or version."""
+    magic, version, op, status, flags, request_id, count, body_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}: not a kvstore data-plane frame", Status.BAD_FRAME)
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})",
+                            Status.UNSUPPORTED)
+    return op, status, flags, request_id, count, body_len
+
+
+# -- key entries ----------------------------------------------------------------------
+@lru_cache(maxsize=256)
+def _ns_bytes(namespace: str) -> bytes:
+    return namespace.encode()
+
+
+def key_entry(key: BlockKey) -> bytes:
+    """A key table entry: u8 ns_len, u8 dg_len, namespace UTF-8, digest."""
+    ns, digest = key
+    nsb = _ns_bytes(ns)
+    return KEY_HEAD.pack(len(nsb), len(digest)) + nsb + digest
+
+
+def put_entry(key: BlockKey, depth: int, size: int, checksum: int) -> bytes:
+    ns, digest = key
+    nsb = _ns_bytes(ns)
+    return PUT_ENTRY.pack(len(nsb), len(digest), depth, size, checksum) + nsb + digest
+
+
+def reserve_entry(key: BlockKey, depth: int, size: int) -> bytes:
+    ns, digest = key
+    nsb = _ns_bytes(ns)
+    return RESERVE_ENTRY.pack(len(nsb), len(digest), depth, size) + nsb + digest
+
+
+def decode_key(ns: bytes, digest: bytes) -> BlockKey | int:
+    """The key of a table entry, or Status.INVALID_KEY."""
+    if not ns or not 0 < len(digest) <= MAX_DIGEST_LEN:
+        return Status.INVALID_KEY
+    try:
+        return check_key((ns.decode(), digest))
+    except (UnicodeDecodeError, InvalidKey):
+        return Status.INVALID_KEY
+
+
+def parse_table(body, count: int, fixed: struct.Struct = KEY_HEAD) -> list[tuple]:
+    """Parse a table of ``count`` entries that fills ``body`` exactly.
+
+    Each entry is ``fixed`` (whose first two fields are ns_len, dg_len), then
+    the namespace and digest. Returns one ``(key or status, fields)`` per entry;
+    raises ProtocolError(BAD_FRAME) when the entries do not fill ``body``.
+    """
+    data = bytes(body)
+    out, pos, end, size = [], 0, len(data), fixed.size
+    unpack = fixed.unpack_from
+    for _ in range(count):
+        if pos + size > end:
+            raise ProtocolError("item table shorter than its count", Status.BAD_FRAME)
+        fields = unpack(data, pos)
+        ns_end = pos + size + fields[0]
+        dg_end = ns_end + fields[1]
+        if dg_end > end:
+            raise ProtocolError("key entry runs past the item table", Status.BAD_FRAME)
+        out.append((decode_key(data[pos + size : ns_end], data[ns_end:dg_end]), fields))
+        pos = dg_end
+    if pos != end:
+        raise ProtocolError(f"item table has {end - pos} bytes after its {count} entries", Status.BAD_FRAME)
+    return out
+
+
+# -- streams ----------------------------------------------------------------------------
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_FILL = 16384  # bytes asked for when refilling: small, so little payload is copied through the buffer
+
+
+class FrameReader:
+    """Buffered reads from one stream socket (anything with ``recv_into``).
+
+    ``read(n)`` returns a view of the next n bytes, valid until the next call;
+    ``readinto(view)`` fills a caller buffer, copying at most what is already
+    buffered and receiving the rest straight into it (``MSG_WAITALL``).
+    EOF raises TransportError. Not thread-safe: one reader per connection.
+    """
+
+    def __init__(self, sock, size: int = 65536):
+        self._recv = sock.recv_into
+        self._buf = memoryview(bytearray(size))
+        self._start = self._end = 0
+
+    @property
+    def buffered(self) -> int:
+        return self._end - self._start
+
+    def wait(self) -> bool:
+        """Block until at least one byte is buffered; False on EOF."""
+        if self._end > self._start:
+            return True
+        got = self._recv(self._buf, _FILL)
+        self._start, self._end = 0, got
+        return bool(got)
+
+    def read(self, n: int) -> memoryview:
+        start, end = self._start, self._end
+        if end - start >= n:
+            self._start = start + n
+            return self._buf[start : start + n]
+        if n > len(self._buf):  # rare: a big table gets its own buffer
+            out = memoryview(bytearray(n))
+            self.readinto(out)
+            return out
+        buf = self._buf
+        if start:
+            buf[: end - start] = buf[start:end]
+            end -= start
+        while end < n:
+            got = self._recv(buf[end:], min(len(buf) - end, max(n - end, _FILL)))
+            if not got:
+                self._start = self._end = 0
+                raise TransportError("connection closed by peer")
+            end += got
+        self._start, self._end = n, end
+        return buf[:n]
+
+    def readinto(self, view: memoryview) -> None:
+        n = len(view)
+        have = min(self._end - self._start, n)
+        if have:
+            view[:have] = self._buf[self._start : self._start + have]
+            self._start += have
+        while have < n:
+            got = self._recv(view[have:], n - have, socket.MSG_WAITALL)
+            if not got:
+                raise TransportError("connection closed by peer mid-frame")
+            have += got
+
+    def skip(self, n: int) -> None:
+        """Consume and drop ``n`` bytes."""
+        while n:
+            chunk = min(n, len(self._buf))
+            self.read(chunk)
+            n -= chunk
+
+
+def send_buffers(sock, buffers: list) -> None:
+    """Send every buffer in order with as few ``sendmsg`` calls as possible (partial sends handled)."""
+    views = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers]
+    i, n = 0, len(views)
+    while i < n:
+        sent = sock.sendmsg(views[i : i + IOV_MAX])
+        while sent:
+            size = views[i].nbytes
+            if sent >= size:
+                sent -= size
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+        while i < n and not views[i].nbytes:
+            i += 1
+
+
+def local_machine_id() -> str:
+    """This host's identity, to tell whether a node shares our memory."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path) as f:
+                value = f.read().strip()
+            if value:
+                return value
+        except OSError:
+            pass
+    return socket.gethostname()

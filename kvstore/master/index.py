@@ -1,0 +1,352 @@
+"""The master's global prefix index: which nodes hold each block, in which tier.
+
+Pure Python, no grpc. Layout, chosen so that lookups are one dict probe per
+digest and a node can be dropped in O(its keys):
+
+- ``_table[namespace][digest] -> holders``. ``holders`` is an *interned*,
+  immutable tuple of ``(node_id, tier)`` pairs sorted by node id: every block
+  held by the same nodes in the same tiers shares one tuple object. A change
+  replaces the tuple (copy-on-write), so lookups hand tuples out without
+  copying, the gRPC adapter caches one reply message per distinct tuple, and
+  ``match_prefix`` skips a digest whose holders are the very object of the
+  previous one (the common case along a chain). Memory is about 130 bytes a
+  key (digest, dict slot, the node's set slot), not a dict per key.
+- ``_by_node[node_id][namespace] -> set of digests``: what to undo when the
+  node goes.
+- ``_counts[node_id] -> [_, dram blocks, ssd blocks]`` (indexed by tier).
+
+Tiers and event kinds are the proto's integer values (DRAM=1, SSD=2;
+STORED=1, REMOVED=2) so the adapter passes them through unchanged.
+
+Thread-safety: one ``threading.Lock`` (``_lock``) guards every field; each
+public method holds it for its whole call, so each call is atomic. Callers may
+hold their own lock around these calls (Membership does: the lock order is
+Membership._lock, then PrefixIndex._lock); this class never calls out while
+holding its lock. Input is validated before the lock is taken, so a rejected
+call changes nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Iterable, Sequence
+
+from kvstore.master.errors import InvalidRequest
+from kvstore_client.errors import InvalidKey
+from kvstore_client.keys import MAX_DIGEST_LEN, check_namespace
+
+STORED, REMOVED = 1, 2
+DRAM, SSD = 1, 2
+TIER_NAMES = {DRAM: "dram", SSD: "ssd"}
+
+Holders = tuple  # tuple[tuple[str, int], ...], interned
+Event = tuple  # (kind, tier, digest)
+Batch = tuple  # (namespace, Sequence[Event])
+
+NO_HOLDERS: Holders = ()
+
+
+def check_digests(digests: Sequence[bytes]) -> None:
+    """Raise InvalidKey unless every digest is 1..MAX_DIGEST_LEN bytes."""
+    if not digests:
+        return
+    if set(map(type, digests)) != {bytes}:
+        raise InvalidKey("digests must be bytes")
+    lengths = list(map(len, digests))
+    if min(lengths) < 1 or max(lengths) > MAX_DIGEST_LEN:
+        bad = next(i for i, n in enumerate(lengths) if not 0 < n <= MAX_DIGEST_LEN)
+        raise InvalidKey(f"digest #{bad} is {lengths[bad]} bytes: a digest is 1..{MAX_DIGEST_LEN} bytes")
+
+
+def check_batches(batches: Iterable[Batch]) -> list[tuple[str, list[Event]]]:
+    """Validate event batches; return them as a list of (namespace, events list)."""
+    out = []
+    for namespace, events in batches:
+        check_namespace(namespace)
+        events = list(events)
+        for kind, tier, _digest in events:
+            if kind == STORED:
+                if tier != DRAM and tier != SSD:
+                    raise InvalidRequest(f"a STORED event needs tier DRAM ({DRAM}) or SSD ({SSD}), got {tier}")
+            elif kind != REMOVED:
+                raise InvalidRequest(f"event kind must be STORED ({STORED}) or REMOVED ({REMOVED}), got {kind}")
+        check_digests([e[2] for e in events])
+        out.append((namespace, events))
+    return out
+
+
+class PrefixIndex:
+    """(namespace, digest) -> {node_id: tier}, with per-node key sets. See the module doc."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._table: dict[str, dict[bytes, Holders]] = {}
+        self._by_node: dict[str, dict[str, set[bytes]]] = {}
+        self._counts: dict[str, list[int]] = {}
+        self._canon: dict[Holders, Holders] = {(): ()}
+        self._with: dict[tuple, tuple[Holders, int]] = {}  # (holders, node, tier) -> (new holders, old tier)
+        self._without: dict[tuple, tuple[Holders, int]] = {}  # (holders, node) -> (new holders, old tier)
+        self._change_count = 0
+        self._versions: dict[str, int] = {}  # namespace -> _change_count at its last change
+        self._snapshots: dict[str, tuple[int, list[bytes]]] = {}  # sorted digests for paging
+
+    # -- nodes ----------------------------------------------------------------------------
+    def add_node(self, node_id: str) -> None:
+        """Make ``node_id`` known (keeping what it holds); events of unknown nodes are refused."""
+        with self._lock:
+            if node_id not in self._by_node:
+                self._by_node[node_id] = {}
+                self._counts[node_id] = [0, 0, 0]
+
+    def reset_node(self, node_id: str) -> None:
+        """Make ``node_id`` known and holding nothing (a fresh registration)."""
+        with self._lock:
+            if node_id in self._by_node:
+                self._drop_entries(node_id)
+            self._by_node[node_id] = {}
+            self._counts[node_id] = [0, 0, 0]
+
+    def drop_node(self, node_id: str) -> bool:
+        """Forget ``node_id`` and every block it holds, in O(its keys). False if unknown."""
+        with self._lock:
+            if node_id not in self._by_node:
+                return False
+            self._drop_entries(node_id)
+            del self._by_node[node_id], self._counts[node_id]
+            return True
+
+    def has_node(self, node_id: str) -> bool:
+        with self._lock:
+            return node_id in self._by_node
+
+    # -- updates ----------------------------------------------------------------------------
+    def apply(self, node_id: str, batches: Iterable[Batch]) -> bool:
+        """Apply a node's event batches in order. False (nothing applied) if the node is unknown."""
+        checked = check_batches(batches)
+        with self._lock:
+            if node_id not in self._by_node:
+                return False
+            for namespace, events in checked:
+                self._apply_batch(node_id, namespace, events)
+            return True
+
+    def replace_inventory(self, node_id: str, batches: Iterable[Batch]) -> bool:
+        """Replace everything indexed for ``node_id`` by these batches (its full inventory).
+
+        Normally STORED events only; REMOVED events are applied in order like any
+        other. False (nothing changed) if the node is unknown.
+        """
+        checked = check_batches(batches)
+        with self._lock:
+            if node_id not in self._by_node:
+                return False
+            self._drop_entries(node_id)
+            for namespace, events in checked:
+                self._apply_batch(node_id, namespace, events)
+            return True
+
+    def _apply_batch(self, node: str, namespace: str, events: list[Event]) -> None:
+        """Under _lock: one namespace's events for one node."""
+        table = self._table.setdefault(namespace, {})
+        keys = self._by_node[node].setdefault(namespace, set())
+        counts = self._counts[node]
+        with_cache, without_cache = self._with, self._without
+        for kind, tier, digest in events:
+            holders = table.get(digest, NO_HOLDERS)
+            if kind == STORED:
+                step = with_cache.get((holders, node, tier)) or self._step_with(holders, node, tier)
+                new, old = step
+                if new is holders:
+                    continue
+                table[digest] = new
+                if old:
+                    counts[old] -= 1
+                else:
+                    keys.add(digest)
+                counts[tier] += 1
+            else:
+                new, old = without_cache.get((holders, node)) or self._step_without(holders, node)
+                if not old:
+                    continue
+                if new:
+                    table[digest] = new
+                else:
+                    del table[digest]
+                keys.discard(digest)
+                counts[old] -= 1
+        if not keys:
+            del self._by_node[node][namespace]
+        self._changed(namespace, table)
+
+    def _drop_entries(self, node: str) -> None:
+        """Under _lock: remove every block of ``node`` from the table (the node stays known)."""
+        for namespace, keys in self._by_node[node].items():
+            table = self._table[namespace]
+            for digest in keys:
+                new, _old = self._without.get((table[digest], node)) or self._step_without(table[digest], node)
+                if new:
+                    table[digest] = new
+                else:
+                    del table[digest]
+            self._changed(namespace, table)
+        self._by_node[node] = {}
+        self._counts[node] = [0, 0, 0]
+        # Transition caches may name the node; they rebuild themselves on demand.
+        self._with.clear()
+        self._without.clear()
+        self._canon = {h: h for h in self._canon if all(n != node for n, _ in h)}
+
+    def _changed(self, namespace: str, table: dict) -> None:
+        """Under _lock: note that a namespace's keys changed; forget it when it is empty."""
+        self._change_count += 1  # versions never repeat, even for a namespace emptied and refilled
+        if table:
+            self._versions[namespace] = self._change_count
+        else:
+            del self._table[namespace]
+            self._versions.pop(namespace, None)
+            self._snapshots.pop(namespace, None)
+
+    def _intern(self, pairs: list) -> Holders:
+        pairs.sort()
+        holders = tuple(pairs)
+        return self._canon.setdefault(holders, holders)
+
+    def _step_with(self, holders: Holders, node: str, tier: int) -> tuple[Holders, int]:
+        old = next((t for n, t in holders if n == node), 0)
+        new = holders if old == tier else self._intern([p for p in holders if p[0] != node] + [(node, tier)])
+        self._with[(holders, node, tier)] = step = (new, old)
+        return step
+
+    def _step_without(self, holders: Holders, node: str) -> tuple[Holders, int]:
+        old = next((t for n, t in holders if n == node), 0)
+        new = self._intern([p for p in holders if p[0] != node]) if old else holders
+        self._without[(holders, node)] = step = (new, old)
+        return step
+
+    # -- lookups ------------------------------------------------------------------------------
+    def locate(self, namespace: str, digests: Sequence[bytes]) -> list[Holders]:
+        """Per digest, in order: a tuple of (node_id, tier) pairs holding it (empty: nowhere).
+
+        The tuples are immutable and shared; do not rely on their identity across calls.
+        """
+        check_namespace(namespace)
+        check_digests(digests)
+        with self._lock:
+            table = self._table.get(namespace)
+            if table is None:
+                return [NO_HOLDERS] * len(digests)
+            get = table.get
+            return [get(d, NO_HOLDERS) for d in digests]
+
+    def match_prefix(self, namespace: str, digests: Sequence[bytes]) -> tuple[dict[str, int], int]:
+        """({node_id: leading blocks it holds itself}, leading blocks held by any mix of nodes).
+
+        Nodes that do not hold the first block are left out of the dict.
+        """
+        check_namespace(namespace)
+        check_digests(digests)
+        with self._lock:
+            table = self._table.get(namespace)
+            if table is None or not digests:
+                return {}, 0
+            return _walk_prefix(table.get, digests)
+
+    # -- admin ----------------------------------------------------------------------------------
+    def list_keys(self, namespace: str | None, limit: int, start_after: bytes = b"") -> list[tuple[str, bytes, Holders]]:
+        """Up to ``limit`` keys as (namespace, digest, holders), ordered by (namespace, digest).
+
+        With a namespace, the page starts after digest ``start_after``; without one
+        (every namespace) paging by cursor is not possible, so ``start_after`` must be
+        empty. A scan (first page, then each next page after the last digest seen)
+        lists every key present for the whole scan exactly once; keys added or
+        removed meanwhile may or may not appear. Pages come from a sorted snapshot
+        of the namespace, refreshed at the start of a scan when keys changed.
+        """
+        if limit < 0:
+            raise InvalidRequest("limit cannot be negative")
+        if namespace is None:
+            if start_after:
+                raise InvalidRequest("start_after needs a namespace: page within one namespace")
+            out: list[tuple[str, bytes, Holders]] = []
+            for ns in self.namespaces():
+                if len(out) >= limit:
+                    break
+                out += self._page(ns, limit - len(out), b"")
+            return out
+        check_namespace(namespace)
+        return self._page(namespace, limit, bytes(start_after))
+
+    def _page(self, namespace: str, limit: int, start_after: bytes) -> list[tuple[str, bytes, Holders]]:
+        snapshot = self._sorted_digests(namespace, refresh=not start_after)
+        out = []
+        i = bisect.bisect_right(snapshot, start_after) if start_after else 0
+        while len(out) < limit and i < len(snapshot):
+            chunk = snapshot[i:i + max(limit - len(out), 64)]
+            i += len(chunk)
+            with self._lock:
+                get = self._table.get(namespace, {}).get
+                out += [(namespace, d, h) for d in chunk if (h := get(d))]
+        return out[:limit]
+
+    def _sorted_digests(self, namespace: str, refresh: bool) -> list[bytes]:
+        """The namespace's digests, sorted; copied under the lock, sorted outside it."""
+        with self._lock:
+            version = self._versions.get(namespace, 0)
+            cached = self._snapshots.get(namespace)
+            if cached is not None and (cached[0] == version or not refresh):
+                return cached[1]
+            digests = list(self._table.get(namespace, ()))
+        digests.sort()
+        with self._lock:
+            self._snapshots[namespace] = (version, digests)
+        return digests
+
+    def namespaces(self) -> list[str]:
+        """Every namespace with at least one key, sorted."""
+        with self._lock:
+            return sorted(self._table)
+
+    def size(self) -> int:
+        """Distinct keys indexed (a key held by two nodes counts once)."""
+        with self._lock:
+            return sum(map(len, self._table.values()))
+
+    def node_counts(self) -> dict[str, dict[str, int]]:
+        """{node_id: {"dram": blocks, "ssd": blocks}} for every known node."""
+        with self._lock:
+            return {n: {"dram": c[DRAM], "ssd": c[SSD]} for n, c in self._counts.items()}
+
+    def node_blocks(self, node_id: str) -> int:
+        """Blocks indexed for one node (0 if unknown)."""
+        with self._lock:
+            c = self._counts.get(node_id)
+            return c[DRAM] + c[SSD] if c else 0
+
+
+def _walk_prefix(get, digests: Sequence[bytes]) -> tuple[dict[str, int], int]:
+    """The prefix walk of match_prefix over one namespace's ``get``; runs under the lock."""
+    first = get(digests[0])
+    if first is None:
+        return {}, 0
+    active = {n for n, _ in first}  # nodes holding every block so far
+    counts: dict[str, int] = {}
+    prev = first
+    longest = len(digests)
+    for i, digest in enumerate(digests):
+        holders = get(digest)
+        if holders is prev:
+            continue
+        if holders is None:
+            longest = i
+            break
+        prev = holders
+        if active:
+            gone = active.difference([n for n, _ in holders])
+            if gone:
+                for n in gone:
+                    counts[n] = i
+                active -= gone
+    for n in active:
+        counts[n] = longest
+    return counts, longest

@@ -1,0 +1,189 @@
+"""Storage nodes as the master knows them: registration, heartbeats, TTL expiry.
+
+Pure Python, no grpc. A node registers with a stable ``node_id``; registering
+again (the node restarted, or the master told it it was unknown) replaces its
+info and starts a fresh session: its index entries are dropped until it
+reports its inventory. A node silent (no heartbeat, no report) for longer
+than ``ttl_s`` is dropped by :meth:`Membership.expire`, and its blocks leave
+the index. The clock is injectable so tests can move time by hand.
+
+Thread-safety: ``_lock`` (a threading.Lock) guards ``_nodes``; every public
+method is atomic. Registration and expiry change the index while holding
+``_lock`` (lock order: Membership._lock, then PrefixIndex._lock), so the
+index's set of known nodes always equals ``_nodes``: a block report, which
+only takes the index lock, is applied for a known node or refused, never
+applied for a node that is being dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, Iterable
+
+from kvstore.master.errors import InvalidRequest
+from kvstore.master.index import Batch, PrefixIndex
+
+MAX_NODE_ID_LEN = 256
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A storage node's identity and addresses (the proto NodeInfo, as plain Python)."""
+
+    node_id: str
+    host: str = ""
+    machine_id: str = ""  # decides "same host" (local-first placement, shared memory)
+    data_address: str = ""  # host:port of the TCP data plane
+    unix_socket: str = ""
+    shm_arena: str = ""
+    metrics_address: str = ""
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier's figures from a node's latest heartbeat (the proto TierStats)."""
+
+    tier: str
+    capacity: int = 0
+    used: int = 0
+    blocks: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    checksum_failures: int = 0
+
+
+NODE_INFO_FIELDS = tuple(f.name for f in fields(NodeInfo))
+TIER_STATS_FIELDS = tuple(f.name for f in fields(TierStats))
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A snapshot of one registered node."""
+
+    info: NodeInfo
+    registered_at: float
+    last_seen: float
+    tiers: tuple[TierStats, ...] = field(default=())
+
+    @property
+    def node_id(self) -> str:
+        return self.info.node_id
+
+    def dram_free(self) -> int:
+        """DRAM capacity minus used bytes from the latest heartbeat (0 before the first one)."""
+        for t in self.tiers:
+            if t.tier.lower() == "dram":
+                return max(0, t.capacity - t.used)
+        return 0
+
+
+def check_node_id(node_id: str) -> str:
+    if not isinstance(node_id, str) or not node_id:
+        raise InvalidRequest("node_id must be a non-empty string")
+    if len(node_id) > MAX_NODE_ID_LEN or not node_id.isprintable():
+        raise InvalidRequest(f"node_id must be printable and at most {MAX_NODE_ID_LEN} characters")
+    return node_id
+
+
+class Membership:
+    """Registered nodes with heartbeat leases; keeps the index's node set in step."""
+
+    def __init__(self, index: PrefixIndex, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        if ttl_s <= 0:
+            raise InvalidRequest(f"ttl_s must be positive, got {ttl_s}")
+        self.index = index
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._nodes: dict[str, NodeState] = {}
+
+    def register(self, info: NodeInfo) -> None:
+        """Add or replace a node; its index entries start empty (it reports its inventory next)."""
+        check_node_id(info.node_id)
+        with self._lock:
+            now = self._clock()
+            self._nodes[info.node_id] = NodeState(info=info, registered_at=now, last_seen=now)
+            self.index.reset_node(info.node_id)
+
+    def heartbeat(self, node_id: str, tiers: Iterable[TierStats] = ()) -> bool:
+        """Renew the node's lease and record its tier figures. False if the node is unknown."""
+        with self._lock:
+            state = self._nodes.get(node_id)
+            if state is None:
+                return False
+            self._nodes[node_id] = replace(state, last_seen=self._clock(), tiers=tuple(tiers))
+            return True
+
+    def touch(self, node_id: str) -> bool:
+        """Renew the node's lease (any message from it is a sign of life). False if unknown."""
+        with self._lock:
+            state = self._nodes.get(node_id)
+            if state is None:
+                return False
+            self._nodes[node_id] = replace(state, last_seen=self._clock())
+            return True
+
+    def report(self, node_id: str, batches: Iterable[Batch], full_inventory: bool = False) -> bool:
+        """Apply a node's block events (or replace its inventory). False if the node is unknown.
+
+        Bad events raise (InvalidKey / InvalidRequest) before anything changes.
+        """
+        index = self.index
+        applied = (index.replace_inventory if full_inventory else index.apply)(node_id, batches)
+        if applied:
+            self.touch(node_id)
+        return applied
+
+    def expire(self) -> list[str]:
+        """Drop every node silent for longer than ttl_s, with its blocks; return their ids."""
+        with self._lock:
+            deadline = self._clock() - self.ttl_s
+            dead = [n for n, s in self._nodes.items() if s.last_seen < deadline]
+            for node_id in dead:
+                del self._nodes[node_id]
+                self.index.drop_node(node_id)
+            return dead
+
+    def remove(self, node_id: str) -> bool:
+        """Drop one node now (a clean shutdown), with its blocks. False if unknown."""
+        with self._lock:
+            if self._nodes.pop(node_id, None) is None:
+                return False
+            self.index.drop_node(node_id)
+            return True
+
+    def known(self, node_id: str) -> bool:
+        with self._lock:
+            return node_id in self._nodes
+
+    def get(self, node_id: str) -> NodeState | None:
+        with self._lock:
+            return self._nodes.get(node_id)
+
+    def nodes(self) -> list[NodeState]:
+        """Every registered node, by node id."""
+        with self._lock:
+            return [self._nodes[n] for n in sorted(self._nodes)]
+
+    def live_nodes(self) -> list[NodeState]:
+        """Registered nodes whose lease has not run out (expiry may not have swept yet)."""
+        with self._lock:
+            deadline = self._clock() - self.ttl_s
+            return [self._nodes[n] for n in sorted(self._nodes) if self._nodes[n].last_seen >= deadline]
+
+    def infos(self, node_ids: Iterable[str]) -> list[NodeInfo]:
+        """NodeInfo of each known node among ``node_ids`` (unknown ids are skipped)."""
+        with self._lock:
+            return [s.info for n in node_ids if (s := self._nodes.get(n)) is not None]
+
+    def seconds_since(self, state: NodeState) -> float:
+        return max(0.0, self._clock() - state.last_seen)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._nodes)

@@ -1,0 +1,185 @@
+"""The master process: the gRPC server, the expiry sweeper and the metrics endpoint.
+
+    server = MasterServer(port=0, ttl_s=5.0).start()
+    server.address                  # "127.0.0.1:41234"
+    server.stop()
+
+``run_master(...)`` serves until SIGTERM or SIGINT (what the CLI calls).
+The master holds no state on disk: after a restart the nodes re-register and
+resend their inventories (see kvstore.master.service).
+
+Threads: gRPC's pool runs the RPCs; one daemon thread ("master-expiry")
+drops nodes whose lease ran out, every min(heartbeat interval, ttl/4); the
+metrics server (when enabled) runs on its own daemon thread. Shared state
+lives in the domain objects, each with its own lock (order: Membership, then
+PrefixIndex).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import grpc
+
+from kvstore.master.index import PrefixIndex
+from kvstore.master.membership import Membership
+from kvstore.master.placement import Placement
+from kvstore.master.service import MasterServicer
+from kvstore.metrics import MetricsServer, Sample
+from kvstore_client.errors import ConfigError
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50051
+DEFAULT_TTL_S = 5.0
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+MAX_MESSAGE_BYTES = 64 << 20  # full inventories are large; clients may still split them
+
+
+class MasterServer:
+    """One master: gRPC service + expiry sweeper (+ Prometheus endpoint when metrics_port is set)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl_s: float = DEFAULT_TTL_S,
+                 heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S, replication_factor: int = 1,
+                 metrics_port: int | None = None, max_workers: int = 8,
+                 clock: Callable[[], float] = time.monotonic):
+        if not 0 < heartbeat_interval_s < ttl_s:
+            raise ConfigError(f"need 0 < heartbeat_interval_s < ttl_s, got {heartbeat_interval_s} and {ttl_s}")
+        self.host, self._port, self._metrics_port = host, port, metrics_port
+        self.index = PrefixIndex()
+        self.membership = Membership(self.index, ttl_s=ttl_s, clock=clock)
+        self.placement = Placement(replication_factor)
+        self.servicer = MasterServicer(self.membership, self.placement, heartbeat_interval_s)
+        self._max_workers = max_workers
+        self._sweep_s = max(0.01, min(heartbeat_interval_s, ttl_s / 4))
+        self._server: grpc.Server | None = None
+        self._metrics: MetricsServer | None = None
+        self._stopping = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> MasterServer:
+        """Bind, start serving and sweeping; returns self. ConfigError if the port is taken."""
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="master-rpc"),
+            options=[("grpc.so_reuseport", 0),  # a second master on a busy port must fail, not share it
+                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        pb_grpc.add_MasterServicer_to_server(self.servicer, server)
+        target = f"[{self.host}]:{self._port}" if ":" in self.host else f"{self.host}:{self._port}"
+        try:
+            bound = server.add_insecure_port(target)
+        except RuntimeError as e:
+            bound = 0
+            log.debug("bind %s failed: %s", target, e)
+        if not bound:
+            server.stop(None)
+            raise ConfigError(f"master cannot listen on {target} (port in use or bad address)")
+        self._port = bound
+        server.start()
+        self._server = server
+        self._stopping.clear()
+        self._sweeper = threading.Thread(target=self._sweep, name="master-expiry", daemon=True)
+        self._sweeper.start()
+        if self._metrics_port is not None:
+            self._metrics = MetricsServer(self._metrics_port, self.collect_metrics, host=self.host)
+        log.info("master listening on %s", self.address)
+        return self
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop accepting RPCs, finish in-flight ones within ``grace`` seconds, stop the threads."""
+        self._stopping.set()
+        if self._server is not None:
+            self._server.stop(grace).wait()
+            self._server = None
+        if self._sweeper is not None:
+            self._sweeper.join()
+            self._sweeper = None
+        if self._metrics is not None:
+            self._metrics.stop()
+            self._metrics = None
+
+    def __enter__(self) -> MasterServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """host:port clients dial (the bound port once started)."""
+        return f"[{self.host}]:{self._port}" if ":" in self.host else f"{self.host}:{self._port}"
+
+    @property
+    def metrics_address(self) -> str | None:
+        return self._metrics.address if self._metrics else None
+
+    def _sweep(self) -> None:
+        while not self._stopping.wait(self._sweep_s):
+            try:
+                for node_id in self.membership.expire():
+                    log.warning("node %s missed its heartbeats for %.1f s: dropped with its blocks",
+                                node_id, self.membership.ttl_s)
+            except Exception:  # keep sweeping whatever happens
+                log.exception("expiry sweep failed")
+
+    # -- metrics -----------------------------------------------------------------------------
+    def collect_metrics(self) -> list[Sample]:
+        """Samples for the Prometheus endpoint."""
+        nodes = self.membership.live_nodes()
+        samples: list[Sample] = [
+            ("kvstore_master_nodes_alive", "Storage nodes with a live lease.", "gauge", {}, len(nodes)),
+            ("kvstore_master_indexed_keys", "Distinct block keys in the global index.", "gauge", {},
+             self.index.size()),
+            ("kvstore_master_namespaces", "Namespaces with at least one indexed key.", "gauge", {},
+             len(self.index.namespaces())),
+            ("kvstore_master_replication_factor", "Default copies per put.", "gauge", {},
+             self.placement.replication_factor),
+        ]
+        for node_id, per_tier in sorted(self.index.node_counts().items()):
+            for tier, blocks in per_tier.items():
+                samples.append(("kvstore_master_node_keys", "Blocks indexed per node and tier.", "gauge",
+                                {"node": node_id, "tier": tier}, blocks))
+        for (method, code), calls in sorted(self.servicer.rpc_counts().items()):
+            samples.append(("kvstore_master_rpcs_total", "RPCs served, by method and status code.", "counter",
+                            {"method": method, "code": code}, calls))
+        return samples
+
+
+def run_master(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, ttl_s: float = DEFAULT_TTL_S,
+               heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S, replication_factor: int = 1,
+               metrics_port: int | None = None, grace_s: float = 2.0,
+               on_ready: Callable[[MasterServer], None] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down cleanly. Blocks.
+
+    Signal handlers are installed only when called from the main thread (and
+    restored on return); from another thread, the call blocks until the process
+    ends. ``on_ready(server)`` runs once the server listens (e.g. to print its address).
+    """
+    server = MasterServer(host, port, ttl_s=ttl_s, heartbeat_interval_s=heartbeat_interval_s,
+                          replication_factor=replication_factor, metrics_port=metrics_port)
+    done = threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda signum, frame: done.set())
+    try:
+        server.start()
+        if on_ready is not None:
+            on_ready(server)
+        done.wait()
+        log.info("master shutting down")
+    finally:
+        server.stop(grace_s)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

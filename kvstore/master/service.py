@@ -1,0 +1,213 @@
+"""The master's gRPC servicer: a thin adapter from proto messages to the domain.
+
+Domain objects (PrefixIndex, Membership, Placement) know nothing of gRPC; this
+module converts messages, calls them, and maps their typed errors to status
+codes in one place (``status_for``). Tiers and event kinds pass through as the
+proto's integers (the index uses the same values, asserted below).
+
+Restart path: the master keeps nothing on disk. After a restart every node's
+Heartbeat / ReportBlocks answers ``known=false``; the node registers again
+(which starts it with an empty index entry set) and sends its full inventory
+(``full_inventory=true``; a large inventory may be split: the first message
+with full_inventory=true replaces, the following ones with
+full_inventory=false add), which rebuilds the index.
+
+Thread-safety: the servicer's own state is the RPC counters (guarded by
+``_counts_lock``) and a cache of reply messages per distinct holders tuple
+(plain dict operations, atomic under the GIL; a race only builds a message
+twice). Everything else is the domain objects' business.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+import grpc
+
+from kvstore.master import index as ix
+from kvstore.master.errors import InvalidRequest
+from kvstore.master.membership import (
+    NODE_INFO_FIELDS,
+    TIER_STATS_FIELDS,
+    Membership,
+    NodeInfo,
+    TierStats,
+    check_node_id,
+)
+from kvstore.master.placement import Candidate, Placement
+from kvstore_client.errors import InvalidKey, KVStoreError, UnknownNamespace
+from kvstore_client.keys import check_namespace
+from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+assert (ix.DRAM, ix.SSD) == (pb.DRAM, pb.SSD)
+assert (ix.STORED, ix.REMOVED) == (pb.BlockEvent.STORED, pb.BlockEvent.REMOVED)
+
+DEFAULT_LIST_LIMIT = 1000
+MAX_LIST_LIMIT = 10_000
+_LOCATION_CACHE_MAX = 4096
+
+
+def status_for(error: Exception) -> grpc.StatusCode:
+    """The one status code each domain error maps to."""
+    if isinstance(error, (InvalidKey, InvalidRequest)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, UnknownNamespace):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(error, ValueError):  # other KVStoreError value errors: still the caller's input
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def _rpc(method):
+    """Count the call and turn domain errors into one clear status."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: MasterServicer, request, context):
+        try:
+            reply = method(self, request, context)
+        except KVStoreError as e:
+            code = status_for(e)
+            self._count(name, code)
+            context.abort(code, f"{name}: {e}")
+        except Exception as e:  # a bug: say so, do not leak a traceback to the client
+            log.exception("%s failed", name)
+            self._count(name, grpc.StatusCode.INTERNAL)
+            context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error: {type(e).__name__}")
+        self._count(name, grpc.StatusCode.OK)
+        return reply
+
+    return wrapper
+
+
+def info_from_pb(msg: pb.NodeInfo) -> NodeInfo:
+    return NodeInfo(**{f: getattr(msg, f) for f in NODE_INFO_FIELDS})
+
+
+def info_to_pb(info: NodeInfo) -> pb.NodeInfo:
+    return pb.NodeInfo(**{f: getattr(info, f) for f in NODE_INFO_FIELDS})
+
+
+def tiers_from_pb(msgs) -> list[TierStats]:
+    return [TierStats(**{f: getattr(m, f) for f in TIER_STATS_FIELDS}) for m in msgs]
+
+
+def tiers_to_pb(tiers) -> list[pb.TierStats]:
+    return [pb.TierStats(**{f: getattr(t, f) for f in TIER_STATS_FIELDS}) for t in tiers]
+
+
+class MasterServicer(pb_grpc.MasterServicer):
+    """Serves the Master service over a PrefixIndex, a Membership and a Placement."""
+
+    def __init__(self, membership: Membership, placement: Placement, heartbeat_interval_s: float):
+        self.membership = membership
+        self.index = membership.index
+        self.placement = placement
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._counts_lock = threading.Lock()
+        self._counts: dict[tuple[str, str], int] = {}
+        self._location_cache: dict[ix.Holders, pb.KeyLocation] = {}
+
+    def _count(self, method: str, code: grpc.StatusCode) -> None:
+        key = (method, code.name)
+        with self._counts_lock:
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def rpc_counts(self) -> dict[tuple[str, str], int]:
+        """{(method, status code name): calls} since start."""
+        with self._counts_lock:
+            return dict(self._counts)
+
+    # -- membership ------------------------------------------------------------------------
+    @_rpc
+    def Register(self, request, context):
+        self.membership.register(info_from_pb(request.info))
+        return pb.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s, ttl_s=self.membership.ttl_s)
+
+    @_rpc
+    def Heartbeat(self, request, context):
+        check_node_id(request.node_id)
+        return pb.HeartbeatReply(known=self.membership.heartbeat(request.node_id, tiers_from_pb(request.tiers)))
+
+    @_rpc
+    def ReportBlocks(self, request, context):
+        check_node_id(request.node_id)
+        batches = [(b.namespace, [(e.kind, e.tier, e.digest) for e in b.events]) for b in request.batches]
+        known = self.membership.report(request.node_id, batches, full_inventory=request.full_inventory)
+        return pb.ReportReply(known=known)
+
+    # -- lookups -----------------------------------------------------------------------------
+    @_rpc
+    def Locate(self, request, context):
+        holders_list = self.index.locate(request.namespace, request.digests)
+        cache = self._location_cache
+        messages = []
+        append = messages.append
+        distinct = set()
+        prev = message = None
+        for holders in holders_list:
+            if holders is not prev:
+                prev = holders
+                message = cache.get(holders)
+                if message is None:
+                    message = self._location_message(holders)
+                distinct.add(holders)
+            append(message)
+        node_ids = sorted({n for holders in distinct for n, _ in holders})
+        reply = pb.LocateReply(nodes=[info_to_pb(i) for i in self.membership.infos(node_ids)])
+        reply.locations.extend(messages)
+        return reply
+
+    def _location_message(self, holders: ix.Holders) -> pb.KeyLocation:
+        if len(self._location_cache) >= _LOCATION_CACHE_MAX:
+            self._location_cache.clear()
+        message = pb.KeyLocation(replicas=[pb.Replica(node_id=n, tier=t) for n, t in holders])
+        self._location_cache[holders] = message
+        return message
+
+    @_rpc
+    def MatchPrefix(self, request, context):
+        counts, longest = self.index.match_prefix(request.namespace, request.digests)
+        return pb.MatchPrefixReply(node_prefix_blocks=counts, longest=longest)
+
+    # -- placement -----------------------------------------------------------------------------
+    @_rpc
+    def Place(self, request, context):
+        check_namespace(request.namespace)
+        counts = self.index.node_counts()
+        live = {s.node_id: s for s in self.membership.live_nodes()}
+        candidates = [
+            Candidate(n, s.info.machine_id, s.dram_free(), sum(counts.get(n, {}).values())) for n, s in live.items()
+        ]
+        chosen = self.placement.choose(candidates, machine_id=request.machine_id, replicas=request.replicas)
+        return pb.PlaceReply(nodes=[info_to_pb(live[n].info) for n in chosen])
+
+    # -- admin ---------------------------------------------------------------------------------
+    @_rpc
+    def ClusterStatus(self, request, context):
+        counts = self.index.node_counts()
+        membership = self.membership
+        statuses = []
+        for state in membership.nodes():
+            since = membership.seconds_since(state)
+            statuses.append(pb.NodeStatus(
+                info=info_to_pb(state.info), tiers=tiers_to_pb(state.tiers), alive=since <= membership.ttl_s,
+                seconds_since_heartbeat=since, indexed_blocks=sum(counts.get(state.node_id, {}).values()),
+            ))
+        return pb.ClusterStatusReply(
+            nodes=statuses, indexed_keys=self.index.size(), replication_factor=self.placement.replication_factor)
+
+    @_rpc
+    def ListKeys(self, request, context):
+        limit = min(request.limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
+        entries = self.index.list_keys(request.namespace or None, limit, request.start_after)
+        keys = [
+            pb.KeyEntry(namespace=ns, digest=d, replicas=[pb.Replica(node_id=n, tier=t) for n, t in holders])
+            for ns, d, holders in entries
+        ]
+        return pb.ListKeysReply(keys=keys, namespaces=self.index.namespaces())

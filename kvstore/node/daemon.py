@@ -1,0 +1,112 @@
+"""A storage node: a BlockStore served on the data plane and reported to the master."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+
+from kvstore_client.hostid import machine_id
+from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore.node.config import StoreConfig
+from kvstore.node.store import BlockStore
+from kvstore.tiers.arena import shm_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeOptions:
+    """Where a node listens and whom it reports to.
+
+    ``port`` 0 picks a free port; ``metrics_port`` None serves no metrics.
+    ``node_id`` defaults to one kept in ``data_dir`` (so a restarted node keeps
+    its identity and its SSD blocks), or a random one without a data dir.
+    """
+
+    master: str | None = None
+    host: str = "127.0.0.1"
+    advertise: str | None = None  # host name clients use; default: ``host``, or this machine's name for 0.0.0.0
+    port: int = 0
+    unix_socket: bool = True
+    metrics_port: int | None = None
+    node_id: str | None = None
+    data_dir: str | None = None
+
+
+def stable_node_id(data_dir: str | None) -> str:
+    """The node id stored in ``data_dir``, created on first use."""
+    if data_dir is None:
+        return f"node-{secrets.token_hex(4)}"
+    path = os.path.join(data_dir, "node_id")
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        os.makedirs(data_dir, exist_ok=True)
+        node_id = f"node-{secrets.token_hex(4)}"
+        with open(path, "w") as f:
+            f.write(node_id + "\n")
+        return node_id
+
+
+class StorageNode:
+    """Owns one BlockStore, its data-plane server, metrics and master agent."""
+
+    def __init__(self, config: StoreConfig, options: NodeOptions):
+        self.config = config
+        self.options = options
+        self.node_id = options.node_id or stable_node_id(options.data_dir)
+        self.store: BlockStore | None = None
+        self.server = None
+        self.metrics = None
+        self.agent = None
+
+    def start(self) -> "StorageNode":
+        from kvstore.transport.server import DataPlaneServer
+
+        opts = self.options
+        self.store = BlockStore(self.config)
+        unix_path = os.path.join(shm_dir(), f"kvstore-{self.node_id}.sock") if opts.unix_socket else None
+        self.server = DataPlaneServer(self.store, host=opts.host, port=opts.port, unix_path=unix_path,
+                                      node_id=self.node_id, machine_id=machine_id()).start()
+        if opts.metrics_port is not None:
+            from kvstore.metrics import MetricsServer
+            from kvstore.node.node_metrics import node_metrics
+
+            self.metrics = MetricsServer(opts.metrics_port, lambda: node_metrics(self), host=opts.host)
+        if opts.master:
+            from kvstore.node.master_agent import MasterAgent
+
+            self.agent = MasterAgent(opts.master, self.info(), self.store).start()
+        log.info("node %s serving data on %s", self.node_id, self.server.address)
+        return self
+
+    def info(self) -> pb.NodeInfo:
+        return pb.NodeInfo(
+            node_id=self.node_id,
+            host=socket.gethostname(),
+            machine_id=machine_id(),
+            data_address=self.data_address(),
+            unix_socket=self.server.unix_path or "",
+            shm_arena=self.store._dram.arena.name,
+            metrics_address=self.metrics.address if self.metrics else "",
+        )
+
+    def data_address(self) -> str:
+        """host:port clients should dial for the TCP data plane."""
+        port = self.server.address.rsplit(":", 1)[1]
+        host = self.options.advertise or self.options.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return f"{host}:{port}"
+
+    def stop(self) -> None:
+        """Stop reporting, serving, then close the store (SSD contents stay)."""
+        for part in (self.agent, self.metrics, self.server):
+            if part is not None:
+                part.stop()
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,133 @@
+"""The node's link to the master: registration, heartbeats, block events.
+
+The master keeps no state on disk. When it answers ``known = false`` (it
+restarted, or let this node's lease expire) the agent registers again and
+sends the node's whole inventory, which rebuilds the master's index.
+Events are batched (every ``flush_interval`` or ``max_batch`` events) so the
+put path never waits on the master; a master that is down only delays them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import grpc
+
+from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.node.store import BlockStore
+
+log = logging.getLogger(__name__)
+
+_TIERS = {"dram": pb.DRAM, "ssd": pb.SSD}
+_INVENTORY_CHUNK = 50_000
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def tier_stats(stats: dict) -> list:
+    """The store's per-tier stats as protobuf TierStats."""
+    fields = ("capacity", "used", "blocks", "hits", "misses", "evictions", "demotions", "promotions",
+              "checksum_failures")
+    return [pb.TierStats(tier=name, **{f: int(stats[name][f]) for f in fields})
+            for name in ("dram", "ssd") if name in stats]
+
+
+class MasterAgent:
+    """Reports one BlockStore to the master. Thread-safe; runs one daemon thread.
+
+    ``_events`` is appended to by the store's listener under the store lock and
+    drained by the agent thread; deque appends and pops are atomic.
+    """
+
+    def __init__(self, master_address: str, info: pb.NodeInfo, store: BlockStore, *,
+                 flush_interval: float = 0.05, max_batch: int = 4096):
+        self.info = info
+        self._store = store
+        self._channel = grpc.insecure_channel(master_address, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.MasterStub(self._channel)
+        self._events: collections.deque = collections.deque()
+        self._flush_interval = flush_interval
+        self._max_batch = max_batch
+        self._heartbeat_interval = 1.0
+        self._registered = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstore-master-agent", daemon=True)
+        store.subscribe(self._on_event)
+
+    def start(self) -> "MasterAgent":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._channel.close()
+
+    @property
+    def registered(self) -> bool:
+        return self._registered
+
+    def _on_event(self, event: str, key, tier: str) -> None:
+        kind = pb.BlockEvent.REMOVED if event == "removed" else pb.BlockEvent.STORED
+        self._events.append((key, kind, _TIERS[tier]))
+
+    # -- the agent thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        next_heartbeat = 0.0
+        while not self._stop.is_set():
+            try:
+                if not self._registered:
+                    self._register()
+                    next_heartbeat = 0.0
+                if time.monotonic() >= next_heartbeat:
+                    self._heartbeat()
+                    next_heartbeat = time.monotonic() + self._heartbeat_interval
+                self._flush()
+            except grpc.RpcError as exc:
+                log.warning("master %s unreachable: %s", self._channel, exc.code())
+                self._registered = False
+                self._stop.wait(min(self._heartbeat_interval, 1.0))
+                continue
+            self._stop.wait(self._flush_interval)
+        try:
+            self._flush()
+        except grpc.RpcError:
+            pass
+
+    def _register(self) -> None:
+        reply = self._stub.Register(pb.RegisterRequest(info=self.info), timeout=5)
+        if reply.heartbeat_interval_s > 0:
+            self._heartbeat_interval = reply.heartbeat_interval_s
+        inventory = self._store.inventory(then=self._events.clear)
+        for start in range(0, max(len(inventory), 1), _INVENTORY_CHUNK):
+            chunk = inventory[start : start + _INVENTORY_CHUNK]
+            report = self._report([(key, pb.BlockEvent.STORED, _TIERS[tier]) for key, tier in chunk],
+                                  full_inventory=start == 0)
+            self._stub.ReportBlocks(report, timeout=30)
+        self._registered = True
+        log.info("registered with the master as %s (%d blocks)", self.info.node_id, len(inventory))
+
+    def _heartbeat(self) -> None:
+        reply = self._stub.Heartbeat(
+            pb.HeartbeatRequest(node_id=self.info.node_id, tiers=tier_stats(self._store.stats())), timeout=5)
+        if not reply.known:
+            self._registered = False
+
+    def _flush(self) -> None:
+        while self._events and self._registered:
+            batch = []
+            while self._events and len(batch) < self._max_batch:
+                batch.append(self._events.popleft())
+            if not self._stub.ReportBlocks(self._report(batch, full_inventory=False), timeout=10).known:
+                self._registered = False  # the next registration resends everything
+
+    def _report(self, events: list, full_inventory: bool) -> pb.BlockReport:
+        by_namespace: dict[str, list] = {}
+        for (namespace, digest), kind, tier in events:
+            by_namespace.setdefault(namespace, []).append(pb.BlockEvent(kind=kind, tier=tier, digest=digest))
+        return pb.BlockReport(
+            node_id=self.info.node_id, full_inventory=full_inventory,
+            batches=[pb.EventBatch(namespace=ns, events=evs) for ns, evs in by_namespace.items()])

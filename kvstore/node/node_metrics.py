@@ -1,0 +1,29 @@
+"""Prometheus metrics of a storage node, read from its store's stats."""
+
+from __future__ import annotations
+
+_COUNTERS = ("hits", "misses", "evictions", "demotions", "promotions", "checksum_failures")
+
+
+def node_metrics(node) -> list[tuple[str, str, str, dict, float]]:
+    """(name, help, type, labels, value) rows for kvstore.metrics.MetricsServer."""
+    stats = node.store.stats()
+    base = {"node": node.node_id}
+    rows = []
+    for tier in ("dram", "ssd"):
+        if tier not in stats:
+            continue
+        labels = {**base, "tier": tier}
+        s = stats[tier]
+        rows.append(("kvstore_tier_capacity_bytes", "Tier capacity in bytes.", "gauge", labels, s["capacity"]))
+        rows.append(("kvstore_tier_used_bytes", "Bytes held by the tier.", "gauge", labels, s["used"]))
+        rows.append(("kvstore_tier_blocks", "Blocks held by the tier.", "gauge", labels, s["blocks"]))
+        for name in _COUNTERS:
+            rows.append((f"kvstore_tier_{name}_total", f"Tier {name.replace('_', ' ')} so far.", "counter",
+                         labels, s[name]))
+    store = stats["store"]
+    rows.append(("kvstore_node_blocks", "Blocks stored on the node.", "gauge", base, store["blocks"]))
+    rows.append(("kvstore_node_pinned_blocks", "Pinned blocks.", "gauge", base, store["pinned"]))
+    rows.append(("kvstore_node_inline_evictions_total", "Puts that had to evict inline.", "counter", base,
+                 store["inline_evictions"]))
+    return rows

@@ -1,0 +1,151 @@
+"""One client connection of a data-plane server, served by its own thread.
+
+The thread reads a frame, runs its op (``kvstore.transport.ops``), sends the
+reply, and repeats, so pipelined requests are answered in order. A
+frame-level error (bad magic, unknown op, inconsistent table...) gets an
+ERROR reply and ends the connection, because the byte stream can no longer
+be trusted to be in sync; other connections are unaffected.
+
+The connection owns its lease and reservation tables: only its thread
+touches them, and when the connection ends, however it ends, every lease is
+released and every open reservation revoked (so a client that dies mid-PUT
+leaves nothing half-written and no DRAM held).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import TYPE_CHECKING
+
+from kvstore_client.errors import ProtocolError, TransportError
+from kvstore_client.wire import (
+    FLAG_REPLY,
+    HEADER_SIZE,
+    MAX_ITEMS,
+    MAX_TABLE_BYTES,
+    FrameReader,
+    Op,
+    Status,
+    pack_header,
+    parse_table,
+    send_buffers,
+    status_of,
+    unpack_header,
+)
+
+if TYPE_CHECKING:
+    from kvstore.transport.server import DataPlaneServer
+
+log = logging.getLogger(__name__)
+
+
+class Frame:
+    """A request header, as the ops see it."""
+
+    __slots__ = ("op", "flags", "request_id", "count", "body_len")
+
+    def __init__(self, op: int, flags: int, request_id: int, count: int, body_len: int):
+        self.op, self.flags, self.request_id, self.count, self.body_len = op, flags, request_id, count, body_len
+
+
+class Connection:
+    """Serves one client socket; see the module docstring. Not shared between threads."""
+
+    def __init__(self, server: "DataPlaneServer", sock: socket.socket, peer: str):
+        self.server = server
+        self.store = server.store
+        self.sock = sock
+        self.peer = peer
+        self.reader = FrameReader(sock)
+        self.max_frame_bytes = server.max_frame_bytes
+        self.leases: dict[int, list] = {}  # lease id -> store Leases of one LEASE request
+        self.reservations: dict[int, list] = {}  # reservation id -> [(Reservation | None, status)]
+        self._next_id = 0
+
+    def new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    # -- the loop ---------------------------------------------------------------------
+    def serve(self) -> None:
+        from kvstore.transport.ops import OPS
+
+        request_id, op = 0, Op.ERROR
+        try:
+            while True:
+                if not self.reader.wait():
+                    return  # closed between frames
+                op, _, flags, request_id, count, body_len = unpack_header(self.reader.read(HEADER_SIZE))
+                handler = OPS.get(op)
+                if handler is None:
+                    raise ProtocolError(f"unknown op {op}", Status.UNSUPPORTED)
+                self._check_size(count, body_len)
+                handler(self, Frame(op, flags, request_id, count, body_len))
+        except ProtocolError as exc:
+            self._send_error(request_id, exc.status, str(exc))
+        except (TransportError, OSError) as exc:
+            log.debug("data-plane connection %s ended: %s", self.peer, exc)
+        except Exception as exc:  # a bug: say so to the client, keep serving everyone else
+            log.exception("data-plane connection %s failed serving op %s", self.peer, op)
+            self._send_error(request_id, status_of(exc), f"{type(exc).__name__}: {exc}")
+        finally:
+            self.close()
+
+    def _check_size(self, count: int, body_len: int) -> None:
+        if body_len > self.max_frame_bytes:
+            raise ProtocolError(f"frame body of {body_len} bytes exceeds max_frame_bytes {self.max_frame_bytes}",
+                                Status.FRAME_TOO_LARGE)
+        if count > MAX_ITEMS:
+            raise ProtocolError(f"{count} items in one frame; at most {MAX_ITEMS}", Status.FRAME_TOO_LARGE)
+
+    # -- helpers for ops ------------------------------------------------------------------
+    def read_table(self, frame: Frame, fixed, extra: int = 0) -> list[tuple]:
+        """Read and parse a frame body that is only an item table (plus ``extra`` leading bytes)."""
+        if frame.body_len > MAX_TABLE_BYTES:
+            raise ProtocolError(f"item table of {frame.body_len} bytes is too large", Status.FRAME_TOO_LARGE)
+        body = self.reader.read(frame.body_len)
+        return parse_table(body[extra:], frame.count, fixed)
+
+    def reply(self, frame: Frame, count: int, *parts, status: int = Status.OK) -> None:
+        """Send a reply frame whose body is ``parts`` (bytes-like) in order."""
+        body_len = sum(memoryview(p).nbytes for p in parts)
+        head = pack_header(frame.op, frame.request_id, count, body_len, status=status, flags=FLAG_REPLY)
+        if len(parts) <= 1:
+            self.sock.sendall(head + bytes(parts[0]) if parts else head)
+        else:
+            send_buffers(self.sock, [head, *parts])
+
+    def _send_error(self, request_id: int, status: int, message: str) -> None:
+        body = message.encode()[:4096]
+        try:
+            self.sock.sendall(pack_header(Op.ERROR, request_id, 0, len(body), status=status, flags=FLAG_REPLY) + body)
+        except OSError:
+            pass
+
+    # -- teardown ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release every lease, revoke every open reservation, close the socket (idempotent)."""
+        leases, self.leases = self.leases, {}
+        for group in leases.values():
+            for lease in group:
+                lease.release()
+        reservations, self.reservations = self.reservations, {}
+        for group in reservations.values():
+            for res, _ in group:
+                if res is not None and res.open:
+                    try:
+                        res.revoke()
+                    except Exception:  # store already closed: nothing to give back
+                        pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def shutdown(self) -> None:
+        """Wake the serving thread from another thread (server stop): it then cleans up."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass

@@ -1,0 +1,299 @@
+"""The data-plane ops a node serves: one function per op (spec: proto/dataplane.md).
+
+Each op reads the rest of its frame from ``conn.reader``, works on
+``conn.store`` and sends exactly one reply (none for RELEASE with NO_REPLY).
+Per-item failures become per-item statuses; a frame that contradicts itself
+raises ProtocolError, which ends the connection (see connection.py).
+Bulk bytes never pass through Python objects: GET sends from the arena
+(``sendmsg`` of the leased views), PUT receives into the reservation.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from kvstore_client.errors import KVStoreError, ProtocolError
+from kvstore_client.wire import (
+    FLAG_ABORT,
+    FLAG_NO_REPLY,
+    GET_ITEM,
+    KEY_HEAD,
+    LEASE_ITEM,
+    PUT_ENTRY,
+    RESERVE_ENTRY,
+    RESERVED_ITEM,
+    U64,
+    Op,
+    Status,
+    decode_key,
+    status_of,
+)
+
+if TYPE_CHECKING:
+    from kvstore.transport.connection import Connection, Frame
+
+OK, NOT_FOUND = Status.OK, Status.NOT_FOUND
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(message, Status.BAD_FRAME)
+
+
+def op_ping(conn: "Connection", frame: "Frame") -> None:
+    conn.reader.skip(frame.body_len)
+    conn.reply(frame, 0)
+
+
+def op_info(conn: "Connection", frame: "Frame") -> None:
+    conn.reader.skip(frame.body_len)
+    conn.reply(frame, 0, json.dumps(conn.server.info()).encode())
+
+
+# -- reads ----------------------------------------------------------------------------------
+def _lease(store, key) -> tuple[int, object]:
+    """(status, Lease or None) for one parsed key."""
+    if type(key) is int:
+        return key, None
+    try:
+        lease = store.lease(key)
+    except KVStoreError as exc:
+        return status_of(exc), None
+    if lease is not None:
+        return OK, lease
+    return (Status.NOT_IN_DRAM if store.exists(key) else NOT_FOUND), None
+
+
+def op_get(conn: "Connection", frame: "Frame") -> None:
+    """Reply table of (status, size, checksum), then the hits' bytes straight from the arena.
+
+    Items past the reply budget (max_frame_bytes) are answered FRAME_TOO_LARGE
+    (not sent; ask again); the first hit is always sent.
+    """
+    entries = conn.read_table(frame, KEY_HEAD)
+    store = conn.store
+    table = bytearray(frame.count * GET_ITEM.size)
+    parts, leases = [table], []
+    budget = conn.max_frame_bytes - len(table)
+    try:
+        for i, (key, _) in enumerate(entries):
+            status, lease = _lease(store, key)
+            data, checksum = None, 0
+            if lease is not None:
+                leases.append(lease)
+                data, checksum = lease.view, lease.checksum
+            elif status == Status.NOT_IN_DRAM:  # on SSD and DRAM too full to promote: copy it out
+                data = store.get(key)
+                status = NOT_FOUND if data is None else OK
+                checksum = 0 if data is None else xxhash.xxh3_64_intdigest(data)
+            size = 0 if data is None else len(data)
+            if data is not None and size > budget and len(parts) > 1:
+                status, size, checksum = Status.FRAME_TOO_LARGE, 0, 0
+            elif data is not None:
+                parts.append(data)
+                budget -= size
+            GET_ITEM.pack_into(table, i * GET_ITEM.size, status, size, checksum)
+        conn.reply(frame, frame.count, *parts)
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+def op_lease(conn: "Connection", frame: "Frame") -> None:
+    """Lease DRAM blocks for a same-host reader: u64 lease id, then (status, offset, size, checksum)."""
+    entries = conn.read_table(frame, KEY_HEAD)
+    store = conn.store
+    table = bytearray(U64.size + frame.count * LEASE_ITEM.size)
+    group, budget = [], conn.max_frame_bytes
+    try:
+        for i, (key, _) in enumerate(entries):
+            status, lease = _lease(store, key)
+            offset = size = checksum = 0
+            if lease is not None:
+                if lease.size > budget and group:
+                    lease.release()
+                    status = Status.FRAME_TOO_LARGE
+                else:
+                    group.append(lease)
+                    budget -= lease.size
+                    offset, size, checksum = lease.offset, lease.size, lease.checksum
+            LEASE_ITEM.pack_into(table, U64.size + i * LEASE_ITEM.size, status, offset, size, checksum)
+    except BaseException:
+        for lease in group:
+            lease.release()
+        raise
+    lease_id = 0
+    if group:
+        lease_id = conn.new_id()
+        conn.leases[lease_id] = group
+    U64.pack_into(table, 0, lease_id)
+    conn.reply(frame, frame.count, table)
+
+
+def op_release(conn: "Connection", frame: "Frame") -> None:
+    if frame.body_len != U64.size * frame.count:
+        raise _bad(f"RELEASE of {frame.count} lease ids needs {U64.size * frame.count} body bytes")
+    ids = struct.unpack(f"<{frame.count}Q", conn.reader.read(frame.body_len))
+    unknown = []
+    for lease_id in ids:
+        group = conn.leases.pop(lease_id, None)
+        if group is None:
+            unknown.append(lease_id)
+            continue
+        for lease in group:
+            lease.release()
+    if unknown:
+        raise ProtocolError(f"unknown lease id(s) {unknown[:8]}", Status.UNKNOWN_LEASE)
+    if not frame.flags & FLAG_NO_REPLY:
+        conn.reply(frame, 0)
+
+
+def _statuses(conn: "Connection", frame: "Frame", fn) -> None:
+    """A keys-only request answered with one status byte per key, from ``fn(key) -> bool``."""
+    entries = conn.read_table(frame, KEY_HEAD)
+    out = bytearray(frame.count)
+    for i, (key, _) in enumerate(entries):
+        if type(key) is int:
+            out[i] = key
+            continue
+        try:
+            out[i] = OK if fn(key) else NOT_FOUND
+        except KVStoreError as exc:
+            out[i] = status_of(exc)
+    conn.reply(frame, frame.count, out)
+
+
+def op_exists(conn: "Connection", frame: "Frame") -> None:
+    _statuses(conn, frame, conn.store.exists)
+
+
+def op_remove(conn: "Connection", frame: "Frame") -> None:
+    _statuses(conn, frame, conn.store.remove)
+
+
+# -- writes -------------------------------------------------------------------------------------
+def _read_put_table(conn: "Connection", frame: "Frame") -> list[tuple]:
+    """Entries (key or status, depth, size, checksum); checks they and their payloads fill body_len."""
+    reader, limit, used, total, entries = conn.reader, frame.body_len, 0, 0, []
+    for _ in range(frame.count):
+        used += PUT_ENTRY.size
+        if used > limit:
+            raise _bad("PUT table runs past body_len")
+        ns_len, dg_len, depth, size, checksum = PUT_ENTRY.unpack(reader.read(PUT_ENTRY.size))
+        used += ns_len + dg_len
+        if used > limit:
+            raise _bad("PUT key entry runs past body_len")
+        raw = bytes(reader.read(ns_len + dg_len))
+        entries.append((decode_key(raw[:ns_len], raw[ns_len:]), depth, size, checksum))
+        total += size
+    if used + total != limit:
+        raise _bad(f"PUT body_len {limit} != table {used} + payloads {total} bytes")
+    return entries
+
+
+def _receive_block(conn: "Connection", key, depth: int, size: int, checksum: int) -> int:
+    """Receive one PUT payload straight into a reservation and commit it; drain it if refused."""
+    if type(key) is int:
+        conn.reader.skip(size)
+        return key
+    try:
+        res = conn.store.reserve(key, size, depth=depth)
+    except KVStoreError as exc:
+        conn.reader.skip(size)
+        return status_of(exc)
+    try:
+        conn.reader.readinto(res.buffer)
+    except BaseException:
+        res.revoke()  # truncated frame or dead client: nothing half-written becomes visible
+        raise
+    try:
+        res.commit(checksum)
+    except KVStoreError as exc:
+        return status_of(exc)
+    return OK
+
+
+def op_put(conn: "Connection", frame: "Frame") -> None:
+    entries = _read_put_table(conn, frame)
+    out = bytearray(frame.count)
+    for i, entry in enumerate(entries):
+        out[i] = _receive_block(conn, *entry)
+    conn.reply(frame, frame.count, out)
+
+
+def op_reserve(conn: "Connection", frame: "Frame") -> None:
+    """Reserve arena space for a same-host writer: u64 reservation id, then (status, offset)."""
+    entries = conn.read_table(frame, RESERVE_ENTRY)
+    store = conn.store
+    table = bytearray(U64.size + frame.count * RESERVED_ITEM.size)
+    group = []
+    try:
+        for i, (key, (_, _, depth, size)) in enumerate(entries):
+            res, status = None, key if type(key) is int else OK
+            if status == OK:
+                try:
+                    res = store.reserve(key, size, depth=depth)
+                except KVStoreError as exc:
+                    status = status_of(exc)
+            group.append((res, status))
+            RESERVED_ITEM.pack_into(table, U64.size + i * RESERVED_ITEM.size, status, 0 if res is None else res.offset)
+    except BaseException:
+        _revoke(group)
+        raise
+    reservation_id = 0
+    if any(res is not None for res, _ in group):
+        reservation_id = conn.new_id()
+        conn.reservations[reservation_id] = group
+    U64.pack_into(table, 0, reservation_id)
+    conn.reply(frame, frame.count, table)
+
+
+def op_commit(conn: "Connection", frame: "Frame") -> None:
+    """Publish (or with ABORT, revoke) the blocks of one RESERVE, verifying each checksum over the arena."""
+    if frame.body_len != U64.size * (frame.count + 1):
+        raise _bad(f"COMMIT of {frame.count} items needs {U64.size * (frame.count + 1)} body bytes")
+    reservation_id, *checksums = struct.unpack(f"<{frame.count + 1}Q", conn.reader.read(frame.body_len))
+    group = conn.reservations.pop(reservation_id, None)
+    if group is None:
+        raise ProtocolError(f"unknown reservation id {reservation_id}", Status.UNKNOWN_LEASE)
+    if len(group) != frame.count:
+        _revoke(group)
+        raise _bad(f"COMMIT has {frame.count} checksums for {len(group)} reserved items")
+    out = bytearray(frame.count)
+    try:
+        for i, (res, status) in enumerate(group):
+            if res is None:
+                out[i] = status
+            elif frame.flags & FLAG_ABORT:
+                res.revoke()
+            else:
+                try:
+                    res.commit(checksums[i])
+                except KVStoreError as exc:
+                    out[i] = status_of(exc)
+    finally:
+        _revoke(group)  # only what a failure left open
+    conn.reply(frame, frame.count, out)
+
+
+def _revoke(group: list) -> None:
+    for res, _ in group:
+        if res is not None and res.open:
+            res.revoke()
+
+
+OPS = {
+    Op.PING: op_ping,
+    Op.INFO: op_info,
+    Op.GET: op_get,
+    Op.PUT: op_put,
+    Op.EXISTS: op_exists,
+    Op.REMOVE: op_remove,
+    Op.LEASE: op_lease,
+    Op.RELEASE: op_release,
+    Op.RESERVE: op_reserve,
+    Op.COMMIT: op_commit,
+}

@@ -1,0 +1,159 @@
+"""DataPlaneServer: a node's bulk-bytes endpoint over TCP and a Unix socket.
+
+One accepting thread per listener and one thread per client connection, on
+blocking sockets (the fastest way to move bulk bytes from CPython: the
+GIL is released inside every send/recv). The frame format is in
+``proto/dataplane.md``; the ops in ``kvstore.transport.ops``; per-connection
+state and cleanup in ``kvstore.transport.connection``.
+
+Thread-safety: ``start``/``stop`` are for the owner's thread; ``_lock``
+guards only the set of live connections (it is never held while calling the
+store). The store does its own locking.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+from kvstore_client.errors import ConfigError
+from kvstore_client.wire import MAX_ITEMS, VERSION, local_machine_id
+from kvstore.node.store import BlockStore
+from kvstore.transport.connection import Connection
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+_UNIX_SOCKET_BUFFER = 4 * MiB  # the kernel caps it at wmem_max / rmem_max
+
+
+class DataPlaneServer:
+    """Serves ``store``'s blocks to SDK clients: TCP on ``host:port``, and a Unix
+    socket at ``unix_path`` when given (same-host clients; the shared-memory
+    transport uses it as its control channel)."""
+
+    def __init__(self, store: BlockStore, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None,
+                 node_id: str = "", machine_id: str = "", max_frame_bytes: int | None = None):
+        max_block = store.config.max_block_bytes
+        if max_frame_bytes is None:
+            max_frame_bytes = max(64 * MiB, max_block + MiB)
+        if max_frame_bytes < max_block + 4096:
+            raise ConfigError(f"max_frame_bytes {max_frame_bytes} cannot carry one block of max_block_bytes {max_block}")
+        self.store = store
+        self.host, self.port = host, port
+        self.unix_path = unix_path
+        self.node_id = node_id
+        self.machine_id = machine_id or local_machine_id()
+        self.max_frame_bytes = max_frame_bytes
+        self._listeners: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._connections: dict[Connection, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.address = ""
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> "DataPlaneServer":
+        tcp = socket.create_server((self.host, self.port), backlog=256, reuse_port=False)
+        self._listeners.append(tcp)
+        host, port = tcp.getsockname()[:2]
+        self.address = f"{host}:{port}"
+        if self.unix_path:
+            if os.path.exists(self.unix_path):
+                os.unlink(self.unix_path)  # a stale socket file from an earlier run
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.bind(self.unix_path)
+            unix.listen(256)
+            self._listeners.append(unix)
+        for listener in self._listeners:
+            thread = threading.Thread(target=self._accept_loop, args=(listener,), daemon=True,
+                                      name=f"kvstore-dataplane-accept-{listener.family.name}")
+            thread.start()
+            self._threads.append(thread)
+        log.info("data plane listening on %s%s", self.address, f" and {self.unix_path}" if self.unix_path else "")
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the listeners and every connection (releasing their leases and
+        reservations), and wait for the threads. Idempotent."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            live = list(self._connections.items())
+        for listener in self._listeners:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+            except OSError:
+                pass
+            listener.close()
+        for thread in self._threads:
+            thread.join(timeout)
+        for conn, _ in live:
+            conn.shutdown()
+        for _, thread in live:
+            thread.join(timeout)
+        if self.unix_path and os.path.exists(self.unix_path):
+            os.unlink(self.unix_path)
+
+    def __enter__(self) -> "DataPlaneServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- what clients learn from INFO ------------------------------------------------------
+    def info(self) -> dict:
+        arena = self.store._dram.arena  # the DRAM tier's shared-memory arena
+        return {
+            "version": VERSION,
+            "node_id": self.node_id,
+            "machine_id": self.machine_id,
+            "arena": arena.name,
+            "arena_path": arena.path,
+            "arena_size": arena.size,
+            "max_block_bytes": self.store.config.max_block_bytes,
+            "max_frame_bytes": self.max_frame_bytes,
+            "max_items": MAX_ITEMS,
+        }
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
+    # -- threads ---------------------------------------------------------------------------
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                sock, peer = listener.accept()
+            except OSError:
+                if self._stopping:
+                    return
+                log.exception("data-plane accept failed")
+                continue
+            self._serve_later(sock, peer)
+
+    def _serve_later(self, sock: socket.socket, peer) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        else:  # Unix: raise the small default buffers (TCP autotunes better than any fixed size)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _UNIX_SOCKET_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _UNIX_SOCKET_BUFFER)
+        conn = Connection(self, sock, str(peer) or "unix")
+        thread = threading.Thread(target=self._serve, args=(conn,), daemon=True, name=f"kvstore-dataplane-{peer}")
+        with self._lock:
+            if self._stopping:
+                sock.close()
+                return
+            self._connections[conn] = thread
+        thread.start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            conn.serve()
+        finally:
+            with self._lock:
+                self._connections.pop(conn, None)

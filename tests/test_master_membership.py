@@ -1,0 +1,133 @@
+"""Membership (leases, TTL expiry with an injected clock) and placement, as plain Python."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.master.errors import InvalidRequest
+from kvstore.master.index import DRAM, STORED, PrefixIndex
+from kvstore.master.membership import Membership, NodeInfo, TierStats
+from kvstore.master.placement import Candidate, Placement
+
+NS = "ns"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def members(clock) -> Membership:
+    return Membership(PrefixIndex(), ttl_s=5.0, clock=clock)
+
+
+def blocks(*ints):
+    return [(NS, [(STORED, DRAM, i.to_bytes(16, "big")) for i in ints])]
+
+
+def test_register_heartbeat_known(members, clock):
+    assert not members.known("a") and not members.heartbeat("a")
+    members.register(NodeInfo("a", host="h", machine_id="m1", data_address="h:1"))
+    assert members.known("a") and len(members) == 1
+    clock.now += 2
+    assert members.heartbeat("a", [TierStats("dram", capacity=100, used=30, blocks=3)])
+    state = members.get("a")
+    assert state.last_seen == clock.now and state.dram_free() == 70
+    assert members.seconds_since(state) == 0
+    with pytest.raises(InvalidRequest):
+        members.register(NodeInfo(""))
+
+
+def test_reregistering_replaces_info_and_starts_a_fresh_session(members):
+    members.register(NodeInfo("a", machine_id="m1"))
+    assert members.report("a", blocks(1, 2))
+    members.register(NodeInfo("a", machine_id="m2"))
+    assert members.get("a").info.machine_id == "m2" and len(members) == 1
+    assert members.index.node_blocks("a") == 0  # waits for the node's inventory
+    assert members.report("a", blocks(1), full_inventory=True)
+    assert members.index.node_blocks("a") == 1
+
+
+def test_report_from_unknown_node_is_ignored(members):
+    assert not members.report("ghost", blocks(1))
+    assert members.index.size() == 0
+
+
+def test_ttl_expiry_drops_silent_nodes_and_their_blocks(members, clock):
+    members.register(NodeInfo("a"))
+    members.register(NodeInfo("b"))
+    members.report("a", blocks(1, 2))
+    members.report("b", blocks(2, 3))
+    clock.now += 4
+    assert members.heartbeat("b")
+    clock.now += 1.5  # a: 5.5 s silent, b: 1.5 s
+    assert [s.node_id for s in members.live_nodes()] == ["b"]
+    assert members.expire() == ["a"]
+    assert not members.known("a") and members.known("b")
+    assert [dict(h) for h in members.index.locate(NS, [i.to_bytes(16, "big") for i in (1, 2, 3)])] == [
+        {}, {"b": DRAM}, {"b": DRAM}]
+    assert not members.heartbeat("a")  # told to re-register
+    assert members.expire() == []
+
+
+def test_a_report_renews_the_lease(members, clock):
+    members.register(NodeInfo("a"))
+    clock.now += 4
+    members.report("a", blocks(1))
+    clock.now += 4
+    assert members.expire() == []
+    clock.now += 1.01
+    assert members.expire() == ["a"] and members.index.size() == 0
+
+
+def test_remove(members):
+    members.register(NodeInfo("a"))
+    members.report("a", blocks(1))
+    assert members.remove("a") and not members.remove("a")
+    assert members.index.size() == 0
+
+
+# -- placement ---------------------------------------------------------------------------------
+
+def cand(node_id, machine, free, blocks_=0):
+    return Candidate(node_id, machine, free, blocks_)
+
+
+NODES = [cand("n1", "m1", 10), cand("n2", "m2", 50), cand("n3", "m3", 30), cand("n4", "m2", 40)]
+
+
+def test_local_first_even_when_fuller():
+    assert Placement().choose(NODES, machine_id="m3") == ["n3"]
+    assert Placement().choose(NODES, machine_id="m2") == ["n2"]  # best of the local ones
+
+
+def test_most_free_without_a_local_node():
+    assert Placement().choose(NODES, machine_id="elsewhere") == ["n2"]
+    assert Placement().choose(NODES) == ["n2"]
+    tied = [cand("x", "m1", 10, blocks_=5), cand("y", "m2", 10, blocks_=2), cand("z", "m3", 10, blocks_=2)]
+    assert Placement().choose(tied) == ["y"]  # fewer blocks, then node id
+
+
+def test_replicas_distinct_primary_first_new_machines_preferred():
+    p = Placement(replication_factor=3)
+    assert p.choose(NODES, machine_id="m1") == ["n1", "n2", "n3"]  # n4 shares m2 with n2
+    assert p.choose(NODES, machine_id="m1", replicas=4) == ["n1", "n2", "n3", "n4"]
+    assert p.choose(NODES, replicas=2) == ["n2", "n3"]
+    assert p.choose(NODES, replicas=10) == ["n2", "n3", "n1", "n4"]  # best effort: every node once
+    assert p.choose([], machine_id="m1") == []
+
+
+def test_placement_rejects_nonsense():
+    with pytest.raises(InvalidRequest):
+        Placement(replication_factor=0)
+    with pytest.raises(InvalidRequest):
+        Placement().choose(NODES, replicas=-1)
