@@ -185,7 +185,11 @@ class Client:
         if any(k[0] != namespace for k in keys):
             raise InvalidValue("a prefix chain lives in one namespace")
         reply = self._call(self._stub.MatchPrefix, pb.KeyBatch(namespace=namespace, digests=[k[1] for k in keys]))
-        return PrefixMatch(reply.longest, dict(reply.node_prefix_blocks))
+        longest = reply.longest
+        if longest < len(keys):  # read your writes: blocks this client just stored may not be indexed yet
+            cached = self._locations.lookup(keys[longest:])
+            longest += next((i for i, r in enumerate(cached) if not r), len(cached))
+        return PrefixMatch(longest, dict(reply.node_prefix_blocks))
 
     def remove(self, key: BlockKey) -> bool:
         """Remove the block from every node holding it; False if none did."""
@@ -236,7 +240,9 @@ class Client:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidValue(exc.details()) from None
-            raise ServiceUnavailable(f"master {self.master}: {exc.code().name} {exc.details()}") from None
+            reachable = exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            state = "failed" if reachable else "is unreachable"
+            raise ServiceUnavailable(f"master {self.master} {state}: {exc.code().name}: {exc.details()}") from None
 
     def _locate(self, keys: list[BlockKey], use_cache: bool = True) -> list[tuple]:
         """Replicas of each key: (node_id, tier) pairs, possibly empty."""

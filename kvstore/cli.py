@@ -24,7 +24,19 @@ class Size(click.ParamType):
 SIZE = Size()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class KVStoreGroup(click.Group):
+    """Turns the store's typed errors into one clear line and exit status 1."""
+
+    def invoke(self, ctx):
+        from kvstore_client.errors import KVStoreError
+
+        try:
+            return super().invoke(ctx)
+        except KVStoreError as exc:
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+
+
+@click.group(cls=KVStoreGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvstore")
 def main() -> None:
     """kvstore: a distributed KVCache store for LLM serving."""

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-COMMANDS = [["--help"], ["demo", "--help"]]
+from kvstore.tiers.arena import shm_dir
+
+COMMANDS = [["--help"]] + [[c, "--help"] for c in ("demo", "up", "master", "node", "status", "keys", "bench")]
 
 
 def kvstore(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -45,3 +48,34 @@ def test_demo_table_output(tmp_path):
 def test_bad_size_is_a_clear_error():
     result = kvstore("demo", "--dram", "lots")
     assert result.returncode == 2 and "not a size" in result.stderr
+
+
+def test_up_serves_status_keys_and_stops_cleanly_on_sigterm(tmp_path):
+    from kvstore_client import BlockHasher, Client
+    from tests.processes import Service, wait_for
+
+    up = Service(["up", "--port", "0", "--data-port", "0", "--metrics-port", "0", "--data-dir", str(tmp_path),
+                  "--dram", "64MiB", "--ssd", "128MiB"])
+    try:
+        master = up.record["master"]
+        keys = BlockHasher("cli-test", 4).keys(list(range(12)))
+        with Client(master) as client:
+            client.batch_put(keys, [b"v" * 1000] * len(keys))
+            wait_for(lambda: all(client.batch_exists(keys)))
+        status = json.loads(kvstore("status", "--master", master, "--json").stdout)
+        assert [n["node_id"] for n in status["nodes"]] == [up.record["node_id"]]
+        assert status["indexed_keys"] == 3 and status["nodes"][0]["alive"]
+        assert up.record["node_id"] in kvstore("status", "--master", master).stdout
+        listed = json.loads(kvstore("keys", "--master", master, "--namespace", "cli-test", "--json").stdout)
+        assert sorted(bytes.fromhex(k["digest"]) for k in listed["keys"]) == sorted(k[1] for k in keys)
+        assert up.terminate() == 0
+        assert not os.path.exists(up.record["unix_socket"])
+        assert not os.path.exists(os.path.join(shm_dir(), up.record["shm_arena"]))
+    finally:
+        up.close()
+
+
+def test_status_of_an_unreachable_master_is_a_clear_error():
+    result = kvstore("status", "--master", "127.0.0.1:1")
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "unreachable" in (result.stderr + result.stdout).lower()
