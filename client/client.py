@@ -172,9 +172,10 @@ class Client:
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Whether the master's index holds each key (uncached)."""
+        """Whether each key is in the master's index (asked afresh) or was just stored by this client."""
         keys = [check_key(k) for k in keys]
-        return [bool(r) for r in self._locate(keys, use_cache=False)]
+        indexed = self._locate(keys, use_cache=False)
+        return [bool(r) or bool(c) for r, c in zip(indexed, self._locations.lookup(keys))]
 
     def match_prefix(self, keys: Sequence[BlockKey]) -> PrefixMatch:
         """How many leading blocks of a prefix chain the pool holds, overall and per node."""
@@ -195,7 +196,9 @@ class Client:
         """Remove the block from every node holding it; False if none did."""
         key = check_key(key)
         removed = False
-        for node_id, _ in self._locate([key], use_cache=False)[0]:
+        holders = {node_id for node_id, _ in self._locate([key], use_cache=False)[0]}
+        holders.update(node_id for node_id, _ in self._locations.lookup([key])[0] or ())  # stored just now
+        for node_id in holders:
             node = self._nodes.get(node_id)
             if node is not None:
                 removed |= bool(self._on_node(node, lambda c: c.remove_many([key]))[0])

@@ -77,7 +77,7 @@ def test_killed_node_reads_as_miss_then_leaves_the_index(cluster):
     master, nodes = cluster
     keys = keys_of(10)
     values = [value_for(k, 64 * KiB) for k in keys]
-    with Client(master.record["master"], prefer_shm=False) as client:
+    with Client(master.record["master"], prefer_shm=False, location_ttl=0) as client:  # the index's view only
         client.batch_put(keys, values)
         located = wait_for(lambda: all(client.batch_exists(keys)))
         holder = next(n for n in nodes if client._locate([keys[0]], use_cache=False)[0][0][0] == n.record["node_id"])
@@ -95,7 +95,7 @@ def test_node_restart_brings_ssd_blocks_back(tmp_path):
     try:
         keys = keys_of(40)
         values = [value_for(k, 200 * KiB) for k in keys]
-        with Client(master.record["master"], prefer_shm=False) as client:
+        with Client(master.record["master"], prefer_shm=False, location_ttl=0) as client:
             wait_for(lambda: node_ids(client))
             for k, v in zip(keys, values):
                 client.put(k, v)

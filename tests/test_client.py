@@ -1,0 +1,94 @@
+"""The SDK against a live pool (master and node on loopback sockets in this process)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvstore_client import AsyncClient, BlockHasher, Client
+from kvstore_client.errors import BufferTooSmall, InvalidKey, InvalidValue, ServiceUnavailable
+from kvstore.benchmark import embedded_pool
+from tests.conftest import value_for
+
+KiB = 1 << 10
+
+
+@pytest.fixture(scope="module")
+def master():
+    with embedded_pool(64 << 20) as address:
+        yield address
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def client(request, master):
+    with Client(master, prefer_shm=request.param == "shm") as c:
+        yield c
+
+
+def test_any_buffer_in_and_out(client):
+    ns = f"buffers-{client.prefer_shm}"
+    arr = np.arange(5000, dtype=np.float32)
+    client.put((ns, b"a" * 16), arr)
+    client.put((ns, b"b" * 16), bytearray(b"xyz"))
+    client.put((ns, b"c" * 16), memoryview(b"0123456789")[3:7])
+    out = np.zeros(5000, dtype=np.float32)
+    assert client.get_into((ns, b"a" * 16), out) == arr.nbytes and np.array_equal(out, arr)
+    assert client.get((ns, b"b" * 16)) == b"xyz" and client.get((ns, b"c" * 16)) == b"3456"
+    assert client.get((ns, b"z" * 16)) is None
+    with pytest.raises(BufferTooSmall):
+        client.get_into((ns, b"a" * 16), bytearray(100))
+
+
+def test_typed_errors(client):
+    with pytest.raises(InvalidValue):
+        client.put(("m", b"k" * 16), b"")
+    with pytest.raises(InvalidValue):
+        client.put(("m", b"k" * 16), b"x" * (65 << 20))
+    with pytest.raises(InvalidKey):
+        client.put(("", b"k"), b"x")
+    with pytest.raises(InvalidValue):
+        client.batch_put([("m", b"k" * 16)], [])
+    assert client.get(("m", b"k" * 16)) is None  # nothing half-stored
+
+
+def test_token_helpers_store_and_load_a_prefix(client):
+    hasher = BlockHasher(f"tokens-{client.prefer_shm}", block_size=16)
+    tokens = list(range(200))  # 12 full blocks
+    blocks = [value_for(i, 8 * KiB) for i in range(12)]
+    assert client.store_prefix(hasher, tokens[:96], blocks[:6]) == 6
+    assert client.store_prefix(hasher, tokens, blocks) == 6  # the first six are already there
+    out = [bytearray(8 * KiB) for _ in range(12)]
+    assert client.load_prefix(hasher, tokens, out) == 192
+    assert [bytes(o) for o in out] == blocks
+    other = list(tokens)
+    other[20] = 99999  # diverges in block 1
+    assert client.load_prefix(hasher, other, [bytearray(8 * KiB) for _ in range(12)]) == 16
+
+
+def test_remove_and_exists(client):
+    key = (f"rm-{client.prefer_shm}", b"r" * 16)
+    client.put(key, b"bye")
+    assert client.exists(key) or client.get(key) == b"bye"
+    assert client.remove(key) is True
+    assert client.get(key) is None
+
+
+def test_async_client(master):
+    async def scenario():
+        async with AsyncClient(master) as client:
+            keys = BlockHasher("async", 4).keys(list(range(40)))
+            values = [value_for(k, 4 * KiB) for k in keys]
+            await client.batch_put(keys, values)
+            got = await asyncio.gather(*(client.get(k) for k in keys))
+            assert list(got) == values
+            assert (await client.match_prefix(keys)).longest == len(keys)
+
+    asyncio.run(scenario())
+
+
+def test_unreachable_master_is_service_unavailable():
+    with Client("127.0.0.1:1", timeout=2) as client:
+        with pytest.raises(ServiceUnavailable):
+            client.get(("m", b"k" * 16))

@@ -1,0 +1,334 @@
+"""The data-plane server under hostile and broken clients, over raw sockets.
+
+Every test ends by checking that a fresh client is still served correctly
+(the ``healthy_after`` fixture), and that the faulty connection left no
+lease, reservation or DRAM behind where that applies.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import xxhash
+
+from kvstore.node.config import StoreConfig
+from kvstore.node.store import BlockStore
+from kvstore.transport.server import DataPlaneServer
+from kvstore_client.errors import ChecksumMismatch, ProtocolError, TransportError
+from kvstore_client.transport import ShmConnection, TcpConnection, UnixConnection
+from kvstore_client.wire import (
+    FLAG_NO_REPLY,
+    GET_ITEM,
+    HEADER,
+    LEASE_ITEM,
+    MAX_ITEMS,
+    U64,
+    Op,
+    Status,
+    key_entry,
+    pack_header,
+    put_entry,
+)
+
+KiB, MiB = 1 << 10, 1 << 20
+MAX_BLOCK = 2 * MiB
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    store = BlockStore(StoreConfig(dram_capacity=32 * MiB, ssd_path=str(tmp / "ssd"), ssd_capacity=64 * MiB,
+                                   max_block_bytes=MAX_BLOCK))
+    server = DataPlaneServer(store, unix_path=str(tmp / "dp.sock"), max_frame_bytes=8 * MiB).start()
+    yield server
+    server.stop()
+    store.close()
+
+
+@pytest.fixture(autouse=True)
+def healthy_after(server):
+    yield
+    with TcpConnection(server.address) as conn:
+        key = ("ns", b"health-check")
+        conn.put(key, b"still serving")
+        assert conn.get(key) == b"still serving"
+
+
+def raw(server) -> socket.socket:
+    sock = socket.create_connection(server.address.rsplit(":", 1))
+    sock.settimeout(5)
+    return sock
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise EOFError(f"closed after {len(out)} of {n} bytes")
+        out += chunk
+    return bytes(out)
+
+
+def read_reply(sock: socket.socket) -> tuple[int, int, int, int, bytes]:
+    """(op, status, request_id, count, body) of the next reply frame."""
+    magic, version, op, status, flags, request_id, count, body_len = HEADER.unpack(recv_exact(sock, HEADER.size))
+    assert magic == b"KV" and version == 1
+    return op, status, request_id, count, recv_exact(sock, body_len)
+
+
+def expect_error_and_close(sock: socket.socket, status: int) -> str:
+    op, got, _, _, body = read_reply(sock)
+    assert (op, got) == (Op.ERROR, status), body
+    assert sock.recv(1) == b""  # the node closed the connection
+    return body.decode()
+
+
+def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def no_connections(server) -> bool:
+    return server.connections == 0
+
+
+def key(name: str) -> tuple[str, bytes]:
+    return ("ns", xxhash.xxh3_128_digest(name.encode()))
+
+
+def keys_frame(op: int, keys: list, request_id: int = 1, flags: int = 0) -> bytes:
+    table = b"".join(key_entry(k) for k in keys)
+    return pack_header(op, request_id, len(keys), len(table), flags=flags) + table
+
+
+# -- malformed frames ---------------------------------------------------------------------
+def test_garbage_bytes(server):
+    with raw(server) as sock:
+        sock.sendall(b"GET /index.html HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert "magic" in expect_error_and_close(sock, Status.BAD_FRAME)
+
+
+def test_bad_magic(server):
+    with raw(server) as sock:
+        sock.sendall(b"XY" + pack_header(Op.PING, 7, 0, 0)[2:])
+        expect_error_and_close(sock, Status.BAD_FRAME)
+
+
+def test_wrong_version(server):
+    with raw(server) as sock:
+        sock.sendall(HEADER.pack(b"KV", 2, Op.PING, 0, 0, 9, 0, 0))
+        assert "version" in expect_error_and_close(sock, Status.UNSUPPORTED)
+
+
+def test_unknown_op(server):
+    with raw(server) as sock:
+        sock.sendall(pack_header(99, 3, 0, 0))
+        assert "unknown op" in expect_error_and_close(sock, Status.UNSUPPORTED)
+
+
+def test_huge_body_len_and_count(server):
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.PUT, 1, 1, 1 << 40))
+        expect_error_and_close(sock, Status.FRAME_TOO_LARGE)
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.GET, 1, MAX_ITEMS + 1, 64))
+        expect_error_and_close(sock, Status.FRAME_TOO_LARGE)
+
+
+def test_table_inconsistent_with_body_len(server):
+    entry = key_entry(key("a"))
+    with raw(server) as sock:  # count says 2, body holds one entry
+        sock.sendall(pack_header(Op.GET, 1, 2, len(entry)) + entry)
+        expect_error_and_close(sock, Status.BAD_FRAME)
+    with raw(server) as sock:  # a key entry whose lengths run past the body
+        sock.sendall(pack_header(Op.EXISTS, 1, 1, 4) + bytes([2, 60]) + b"ns")
+        expect_error_and_close(sock, Status.BAD_FRAME)
+    with raw(server) as sock:  # PUT payload sizes that do not add up to body_len
+        table = put_entry(key("b"), 0, 10, 0)
+        sock.sendall(pack_header(Op.PUT, 1, 1, len(table) + 4) + table + b"abcd")
+        expect_error_and_close(sock, Status.BAD_FRAME)
+
+
+def test_unknown_lease_and_reservation_ids(server):
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.RELEASE, 1, 1, 8, flags=FLAG_NO_REPLY) + U64.pack(12345))
+        expect_error_and_close(sock, Status.UNKNOWN_LEASE)
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.COMMIT, 1, 1, 16) + U64.pack(777) + U64.pack(0))
+        expect_error_and_close(sock, Status.UNKNOWN_LEASE)
+
+
+# -- broken clients -------------------------------------------------------------------------
+def test_truncated_frame_then_close(server):
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.GET, 1, 3, 100) + b"\x02\x10ns")
+    wait_until(lambda: no_connections(server))
+
+
+def test_client_killed_mid_put_stores_nothing(server):
+    store = server.store
+    wait_until(lambda: no_connections(server))
+    used = store.stats()["dram"]["used"]
+    first, second = key("mid-put-1"), key("mid-put-2")
+    payload = bytes(range(256)) * (4 * KiB)  # 1 MiB
+    checksum = xxhash.xxh3_64_intdigest(payload)
+    table = put_entry(first, 0, len(payload), checksum) + put_entry(second, 1, len(payload), checksum)
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.PUT, 1, 2, len(table) + 2 * len(payload)) + table)
+        sock.sendall(payload)  # the first block arrives whole: it is committed
+        sock.sendall(payload[: len(payload) // 2])  # the second is cut off
+        wait_until(lambda: store.exists(first))
+    wait_until(lambda: no_connections(server))
+    assert store.get(first) == payload and not store.exists(second)
+    store.remove(first)
+    assert store.stats()["dram"]["used"] == used
+
+
+def test_reservations_and_leases_end_with_the_connection(server):
+    store = server.store
+    stored = key("leased-then-dropped")
+    store.put(stored, b"v" * 5000)
+    wait_until(lambda: no_connections(server))
+    used = store.stats()["dram"]["used"]
+    entry = struct.pack("<BBIQ", 2, 16, 0, MiB) + b"ns" + key("reserved")[1]
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.RESERVE, 1, 1, len(entry)) + entry)
+        _, status, _, _, body = read_reply(sock)
+        assert status == Status.OK and U64.unpack_from(body)[0] != 0 and body[8] == Status.OK
+        sock.sendall(keys_frame(Op.LEASE, [stored], request_id=2))
+        _, status, _, _, body = read_reply(sock)
+        assert LEASE_ITEM.unpack_from(body, 8)[0] == Status.OK
+        assert store._dram.is_leased(stored) and store.stats()["dram"]["used"] > used
+    wait_until(lambda: no_connections(server))
+    assert not store._dram.is_leased(stored) and not store.exists(key("reserved"))
+    assert store.stats()["dram"]["used"] == used
+
+
+def test_refused_items_are_drained_and_the_stream_stays_in_sync(server):
+    big, empty, ok = key("too-big"), key("empty"), key("fine")
+    payloads = [b"x" * (MAX_BLOCK + 1), b"", b"fine"]
+    table = b"".join(put_entry(k, 0, len(p), xxhash.xxh3_64_intdigest(p))
+                     for k, p in zip([big, empty, ok], payloads))
+    bad_sum = put_entry(key("damaged"), 0, 4, 12345)
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.PUT, 1, 3, len(table) + sum(map(len, payloads))) + table + b"".join(payloads))
+        sock.sendall(pack_header(Op.PUT, 2, 1, len(bad_sum) + 4) + bad_sum + b"abcd")
+        sock.sendall(pack_header(Op.PING, 3, 0, 0))
+        assert read_reply(sock) == (Op.PUT, Status.OK, 1, 3, bytes([Status.INVALID_VALUE, Status.INVALID_VALUE, 0]))
+        assert read_reply(sock) == (Op.PUT, Status.OK, 2, 1, bytes([Status.CHECKSUM_MISMATCH]))
+        assert read_reply(sock)[:3] == (Op.PING, Status.OK, 3)
+    assert server.store.get(ok) == b"fine" and not server.store.exists(big) and not server.store.exists(key("damaged"))
+
+
+def test_pipelined_requests_are_answered_in_order(server):
+    k = key("pipelined")
+    server.store.put(k, b"pipelined value")
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.PING, 10, 0, 0) + keys_frame(Op.EXISTS, [k, key("nope")], 11)
+                     + keys_frame(Op.GET, [k], 12) + pack_header(Op.PING, 13, 0, 0))
+        assert read_reply(sock)[:3] == (Op.PING, Status.OK, 10)
+        assert read_reply(sock)[2:] == (11, 2, bytes([Status.OK, Status.NOT_FOUND]))
+        op, status, rid, count, body = read_reply(sock)
+        assert (op, rid, count) == (Op.GET, 12, 1)
+        assert GET_ITEM.unpack_from(body)[:2] == (Status.OK, 15) and body[GET_ITEM.size :] == b"pipelined value"
+        assert read_reply(sock)[2] == 13
+
+
+def test_many_concurrent_clients_get_exact_bytes(server):
+    errors = []
+
+    def client(n: int) -> None:
+        try:
+            kind = (TcpConnection, UnixConnection, ShmConnection)[n % 3]
+            with kind(server.unix_path if kind is not TcpConnection else server.address) as conn:
+                keys = [key(f"client-{n}-{i}") for i in range(8)]
+                for round_ in range(40):
+                    values = [xxhash.xxh3_128_digest(f"{n}/{i}/{round_}".encode()) * (64 * (i + 1)) for i in range(8)]
+                    assert conn.put_many(list(zip(keys, values))) == [None] * 8
+                    assert conn.get_many(keys) == values
+                    assert conn.exists_many(keys[:4]) == [True] * 4
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+
+
+def test_stop_closes_live_connections(tmp_path):
+    with BlockStore(StoreConfig(dram_capacity=8 * MiB, max_block_bytes=MiB)) as store:
+        server = DataPlaneServer(store).start()
+        conn = TcpConnection(server.address)
+        conn.put(key("x"), b"y")
+        server.stop()
+        assert server.connections == 0
+        with pytest.raises(TransportError):
+            conn.get(key("x"))
+        assert conn.closed
+
+
+def test_shm_refuses_a_node_on_another_host():
+    with BlockStore(StoreConfig(dram_capacity=8 * MiB, max_block_bytes=MiB)) as store:
+        with DataPlaneServer(store, machine_id="some-other-host") as elsewhere:
+            with pytest.raises(TransportError, match="another host"):
+                ShmConnection(elsewhere.address)
+
+
+class FakeNode:
+    """A scripted node: answers INFO properly, then each later request with the next canned reply."""
+
+    def __init__(self, replies: list):
+        self.replies = replies
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        sock, _ = self.listener.accept()
+        info = json.dumps({"max_frame_bytes": MiB, "max_block_bytes": 64 * KiB, "max_items": 16}).encode()
+        with sock:
+            for reply in [lambda op, rid: pack_header(op, rid, 0, len(info), flags=1) + info, *self.replies]:
+                _, _, op, _, _, rid, _, body_len = HEADER.unpack(recv_exact(sock, HEADER.size))
+                recv_exact(sock, body_len)
+                sock.sendall(reply(op, rid))
+            sock.recv(1)
+
+
+def test_client_rejects_damaged_bytes_and_broken_replies():
+    data = b"damaged?" * 100
+    table = GET_ITEM.pack(Status.OK, len(data), xxhash.xxh3_64_intdigest(data) ^ 1)
+    node = FakeNode([
+        lambda op, rid: pack_header(op, rid, 1, len(table) + len(data), flags=1) + table + data,
+        lambda op, rid: pack_header(op, rid, 0, 0, flags=1),
+        lambda op, rid: pack_header(op, rid + 1, 0, 0, flags=1),  # answers the wrong request
+    ])
+    conn = TcpConnection(node.address)
+    with pytest.raises(ChecksumMismatch):
+        conn.get_into(key("k"), bytearray(1000))
+    conn.ping()  # a damaged block does not break the stream
+    with pytest.raises(ProtocolError):
+        conn.ping()
+    assert conn.closed
+    with pytest.raises(TransportError):
+        conn.ping()
+
+
+def test_client_maps_error_frames():
+    message = b"no such thing"
+    node = FakeNode([lambda op, rid: pack_header(Op.ERROR, rid, 0, len(message), status=Status.UNKNOWN_LEASE,
+                                                 flags=1) + message])
+    conn = TcpConnection(node.address)
+    with pytest.raises(ProtocolError, match="no such thing") as info:
+        conn.exists(key("k"))
+    assert info.value.status == Status.UNKNOWN_LEASE and conn.closed
