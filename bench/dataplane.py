@@ -4,16 +4,21 @@
 
 A node (BlockStore with a prefaulted DRAM arena + DataPlaneServer) runs in
 this process, as does the raw-socket baseline server, so both compete for
-the same two cores and the same GIL. Measured in one run, medians of
-``--repeats`` rounds, each round reading every block of the working set once:
+the same two cores and the same GIL. Each round reads every block of the
+working set once; rounds of all measures are interleaved (this machine is
+noisy) and each figure is the median of ``--repeats`` rounds, each ratio the
+median of the per-round ratios:
 
 - ``tcp_get``: TcpConnection.get_into of 1 MiB blocks into one preallocated
   buffer (checksum verified), against ``raw_socket``: a tiny server thread
   that answers a 16-byte request with 1 MiB via sendall, the client
-  recv_into's it (the same working-set size, rotated, so both read cold memory);
-- ``shm_get``: ShmConnection.get_into of the same blocks (LEASE, copy,
-  verify, RELEASE), one key per call and in batches of 16, against
-  ``memcpy``: numpy.copyto from a cold buffer set of the same size;
+  recv_into's it (rotating over a working set of the same size, so both
+  read cold memory);
+- ``shm_get``: ShmConnection.get_into of the same blocks, one key per call
+  (LEASE round trip, copy, verify, RELEASE), against ``memcpy``:
+  numpy.copyto from a cold buffer set of the same size into one buffer;
+- ``shm_get_batch16``: get_into_many of 16 keys into 16 buffers, against
+  ``memcpy_16dst``: numpy.copyto into the same 16 buffers in turn;
 - ``tcp_batch_64k``: get_into_many of 64 KiB blocks in batches of 64, blocks/s.
 
 Targets: tcp_get >= 0.7x raw_socket; shm_get >= 0.6x memcpy; >= 20,000 blocks/s.
@@ -191,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         "tcp_batch_64k": batch,
         "targets": {
             "tcp_get >= 0.7x raw_socket": single["tcp_vs_raw"] >= 0.7,
-            "shm_get >= 0.6x memcpy": single["shm_vs_memcpy"] >= 0.6,
+            "shm_get (one key per call) >= 0.6x memcpy": single["shm_vs_memcpy"] >= 0.6,
+            "shm_get_batch16 >= 0.6x memcpy_16dst": single["shm_batch16_vs_memcpy_16dst"] >= 0.6,
             "tcp_batch_64k >= 20000 blocks/s": batch["blocks_per_s"] >= 20000,
         },
     }
@@ -207,7 +213,8 @@ def _table(result: dict) -> str:
          s["shm_batch16_vs_memcpy_16dst"]],
     ]
     text = markdown_table([f"{result['size']} path", "GB/s", "baseline", "GB/s", "ratio"], rows)
-    text += f"\n\nTCP get_into_many of 64 KiB blocks, batches of {b['batch']}: {b['blocks_per_s']:,} blocks/s ({b['gbps']} GB/s)"
+    text += (f"\n\nTCP get_into_many of 64 KiB blocks, batches of {b['batch']}: "
+             f"{b['blocks_per_s']:,} blocks/s ({b['gbps']} GB/s)")
     text += "\n\n" + "\n".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in result["targets"].items())
     return text
 

@@ -23,6 +23,7 @@ connection closed. Big batches are split so that no frame exceeds the node's
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import socket
@@ -33,11 +34,17 @@ from contextlib import contextmanager
 import xxhash
 
 from kvstore_client.buffers import byte_view
-from kvstore_client.errors import BufferTooSmall, ChecksumMismatch, ConfigError, InvalidValue, KVStoreError, \
-    ProtocolError, TransportError
-from kvstore_client.keys import BlockKey, check_key
+from kvstore_client.errors import (
+    BufferTooSmall,
+    ChecksumMismatch,
+    ConfigError,
+    InvalidValue,
+    KVStoreError,
+    ProtocolError,
+    TransportError,
+)
+from kvstore_client.keys import MAX_DIGEST_LEN, MAX_NAMESPACE_LEN, BlockKey, check_key
 from kvstore_client.wire import (
-    FLAG_ABORT,
     FLAG_NO_REPLY,
     GET_ITEM,
     HEADER_SIZE,
@@ -189,7 +196,9 @@ class DataPlaneConnection:
     def get_into_many(self, keys, buffers) -> list[int | None]:
         """Copy each block into its buffer (any writable contiguous buffer); sizes, None for misses.
 
-        Over a socket the bytes are received straight into the buffers. Raises
+        Over a socket the bytes are received straight into the buffers (scatter
+        reads), except the few KiB that arrive together with the reply header,
+        which are copied from the connection's read buffer. Raises
         BufferTooSmall (``.needed``) for a block larger than its buffer, after
         filling every other buffer.
         """
@@ -240,26 +249,26 @@ class DataPlaneConnection:
                 items = list(GET_ITEM.iter_unpack(self._reader.read(len(chunk) * GET_ITEM.size)))
                 if body_len != len(chunk) * GET_ITEM.size + sum(s for st, s, _ in items if st == Status.OK):
                     raise ProtocolError("GET reply body_len does not match its table")
+                blocks = []  # (j, where its bytes go, checksum)
                 for j, (status, size, checksum) in zip(chunk, items):
                     if status == Status.OK:
-                        self._receive_block(j, size, checksum, target, errors)
+                        out = target(j, size)
+                        blocks.append((j, memoryview(bytearray(size)) if out is None else out, checksum))
                     elif status == Status.FRAME_TOO_LARGE:
                         deferred.append(j)
                     elif status != Status.NOT_FOUND:
                         errors[j] = error_for(status)
+                self._reader.readinto_many([out for _, out, _ in blocks])
+                if deferred and deferred[0] == chunk[0]:  # the node must always serve the first item
+                    raise ProtocolError("GET reply deferred the first item of its request")
+                if self.verify:
+                    for j, out, checksum in blocks:
+                        if j not in errors and _checksum(out) != checksum:
+                            errors[j] = ChecksumMismatch(f"block {j} arrived damaged (checksum mismatch)")
 
             chunks = _split(todo, costs, budget, KEYS_PER_FRAME)
             self._pipeline(chunks, lambda chunk: self._keys_request(Op.GET, keys, chunk), receive)
             todo = deferred
-
-    def _receive_block(self, j: int, size: int, checksum: int, target, errors: dict) -> None:
-        out = target(j, size)
-        if out is None:
-            self._reader.skip(size)
-            return
-        self._reader.readinto(out)
-        if self.verify and _checksum(out) != checksum:
-            errors[j] = ChecksumMismatch(f"block {j} arrived damaged (checksum mismatch)")
 
     def get_into(self, key: BlockKey, buffer) -> int | None:
         return self.get_into_many([key], [buffer])[0]
@@ -280,7 +289,7 @@ class DataPlaneConnection:
             try:
                 key, view, depth = _put_item(item)
                 if not 0 < len(view) <= self.max_block_bytes:
-                    raise InvalidValue(f"value of {len(view)} bytes: must be 1..{self.max_block_bytes} (max_block_bytes)")
+                    raise InvalidValue(f"value of {len(view)} bytes: must be 1..{self.max_block_bytes} bytes")
             except KVStoreError as exc:
                 results[i] = exc
                 continue
@@ -289,7 +298,8 @@ class DataPlaneConnection:
         return results
 
     def _put(self, ready: dict[int, tuple], results: list) -> None:
-        costs = {i: len(view) + PUT_ENTRY.size + 192 for i, (_, view, _) in ready.items()}
+        entry = PUT_ENTRY.size + MAX_NAMESPACE_LEN + MAX_DIGEST_LEN  # at most, per item
+        costs = {i: len(view) + entry for i, (_, view, _) in ready.items()}
 
         def send(chunk: list[int]) -> int:
             table, payloads = [], []
@@ -347,8 +357,6 @@ class DataPlaneConnection:
         """The node's INFO: node_id, machine_id, arena, max_block_bytes, max_frame_bytes..."""
         if not refresh:
             return dict(self._info)
-        import json
-
         with self._stream():
             body_len = self._reply(Op.INFO, self._send(Op.INFO, 0, b""), 0)
             self._info = json.loads(bytes(self._reader.read(body_len)))
@@ -402,7 +410,10 @@ class ShmLease:
     def release(self) -> None:
         for view in self.views:
             if view is not None:
-                view.release()
+                try:
+                    view.release()
+                except BufferError:  # the caller kept something made from it: its bytes may now change
+                    pass
         ids, self._ids = self._ids, []
         self._conn._release(ids)
 
@@ -513,7 +524,7 @@ class ShmConnection(DataPlaneConnection):
                             on_block(j, mem[offset : offset + size], checksum)
                         elif status == Status.NOT_IN_DRAM:
                             not_in_dram.append(j)
-                        elif status == Status.FRAME_TOO_LARGE:
+                        elif status == Status.FRAME_TOO_LARGE and j != chunk[0]:  # the first is always served
                             deferred.append(j)
                         elif status != Status.NOT_FOUND:
                             errors[j] = error_for(status)
@@ -534,38 +545,34 @@ class ShmConnection(DataPlaneConnection):
     def _put(self, ready: dict[int, tuple], results: list) -> None:
         costs = {i: len(view) for i, (_, view, _) in ready.items()}
         for chunk in _split(list(ready), costs, self.max_frame_bytes, KEYS_PER_FRAME):
-            with self._stream():
-                table = b"".join([reserve_entry(ready[i][0], ready[i][2], len(ready[i][1])) for i in chunk])
-                request_id = self._send(Op.RESERVE, len(chunk), table)
-                size = U64.size + len(chunk) * RESERVED_ITEM.size
-                if self._reply(Op.RESERVE, request_id, len(chunk)) != size:
-                    raise ProtocolError("RESERVE reply body_len does not match its count")
-                body = self._reader.read(size)
-                reservation_id = U64.unpack_from(body)[0]
-                items = list(RESERVED_ITEM.iter_unpack(body[U64.size :]))
-            checksums, statuses, flags = [], [Status.OK] * len(results), 0
-            for i, (status, offset) in zip(chunk, items):
-                view = ready[i][1]
-                checksum = 0
-                if status == Status.OK:
-                    if offset + len(view) > len(self._mem):
-                        flags = FLAG_ABORT
-                    else:
-                        self._mem[offset : offset + len(view)] = view
-                        checksum = _checksum(view)
-                checksums.append(checksum)
+            reservation_id, items = self._reserve(ready, chunk)
+            statuses = {i: status for i, (status, _) in zip(chunk, items)}
             if reservation_id:
+                checksums = []
+                for i, (status, offset) in zip(chunk, items):
+                    view = ready[i][1]
+                    if status == Status.OK:
+                        self._mem[offset : offset + len(view)] = view
+                    checksums.append(_checksum(view) if status == Status.OK else 0)
                 with self._stream():
-                    request_id = self._send(Op.COMMIT, len(chunk), U64.pack(reservation_id)
-                                            + struct.pack(f"<{len(chunk)}Q", *checksums), flags=flags)
-                    self._statuses(Op.COMMIT, chunk, request_id, statuses)
-            else:
-                for i, (status, _) in zip(chunk, items):
-                    statuses[i] = status
-            if flags:
-                raise ProtocolError("the node reserved space outside its arena; the batch was aborted")
+                    table = U64.pack(reservation_id) + struct.pack(f"<{len(chunk)}Q", *checksums)
+                    self._statuses(Op.COMMIT, chunk, self._send(Op.COMMIT, len(chunk), table), statuses)
             for i in chunk:
                 results[i] = None if statuses[i] == Status.OK else error_for(statuses[i])
+
+    def _reserve(self, ready: dict[int, tuple], chunk: list[int]) -> tuple[int, list[tuple[int, int]]]:
+        """RESERVE arena space for the chunk's items: (reservation id, [(status, offset)])."""
+        size = U64.size + len(chunk) * RESERVED_ITEM.size
+        with self._stream():
+            table = b"".join([reserve_entry(ready[i][0], ready[i][2], len(ready[i][1])) for i in chunk])
+            if self._reply(Op.RESERVE, self._send(Op.RESERVE, len(chunk), table), len(chunk)) != size:
+                raise ProtocolError("RESERVE reply body_len does not match its count")
+            body = self._reader.read(size)
+            items = list(RESERVED_ITEM.iter_unpack(body[U64.size :]))
+            for i, (status, offset) in zip(chunk, items):
+                if status == Status.OK and offset + len(ready[i][1]) > len(self._mem):
+                    raise ProtocolError(f"the node reserved {len(ready[i][1])} bytes at {offset}, outside its arena")
+            return U64.unpack_from(body)[0], items
 
     def close(self) -> None:
         super().close()

@@ -206,15 +206,17 @@ _FILL = 16384  # bytes asked for when refilling: small, so little payload is cop
 
 
 class FrameReader:
-    """Buffered reads from one stream socket (anything with ``recv_into``).
+    """Buffered reads from one stream socket (anything with ``recv_into`` and ``recvmsg_into``).
 
     ``read(n)`` returns a view of the next n bytes, valid until the next call;
     ``readinto(view)`` fills a caller buffer, copying at most what is already
-    buffered and receiving the rest straight into it (``MSG_WAITALL``).
+    buffered and receiving the rest straight into it (``MSG_WAITALL``);
+    ``readinto_many`` does the same for a list of buffers with scatter reads.
     EOF raises TransportError. Not thread-safe: one reader per connection.
     """
 
     def __init__(self, sock, size: int = 65536):
+        self._sock = sock
         self._recv = sock.recv_into
         self._buf = memoryview(bytearray(size))
         self._start = self._end = 0
@@ -264,6 +266,25 @@ class FrameReader:
             if not got:
                 raise TransportError("connection closed by peer mid-frame")
             have += got
+
+    def readinto_many(self, views: list) -> None:
+        """Fill each view in turn (a scatter read: one ``recvmsg_into`` for many buffers)."""
+        i, n = 0, len(views)
+        while i < n and self._end > self._start:  # what is buffered goes first
+            self.readinto(views[i])
+            i += 1
+        views = [v for v in views[i:] if len(v)]
+        i, n = 0, len(views)
+        recvmsg_into = self._sock.recvmsg_into
+        while i < n:
+            got = recvmsg_into(views[i : i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+            if not got:
+                raise TransportError("connection closed by peer mid-frame")
+            while i < n and got >= len(views[i]):
+                got -= len(views[i])
+                i += 1
+            if got:
+                views[i] = views[i][got:]
 
     def skip(self, n: int) -> None:
         """Consume and drop ``n`` bytes."""

@@ -11,7 +11,6 @@ of SSD-resident blocks take the NOT_IN_DRAM -> GET path.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -145,6 +144,18 @@ def test_batches_larger_than_a_frame_are_split(connect):
     buffers = [np.empty(MiB + 16, dtype=np.uint8) for _ in keys]
     assert conn.get_into_many(keys, buffers) == [len(v) for v in values]
     assert all(b[: len(v)].tobytes() == v for b, v in zip(buffers, values))
+
+
+def test_many_small_keys_take_several_pipelined_frames(connect):
+    conn = connect()
+    keys = keys_for(f"many-{connect.transport}", 700)  # > 2 frames of keys
+    values = [i.to_bytes(4, "little") * 25 for i in range(700)]
+    assert conn.put_many(list(zip(keys, values))) == [None] * 700
+    assert conn.get_many(keys) == values
+    buffers = [bytearray(100) for _ in keys]
+    assert conn.get_into_many(keys, buffers) == [100] * 700 and [bytes(b) for b in buffers] == values
+    assert conn.remove_many(keys[::2]) == [True] * 350
+    assert conn.exists_many(keys) == [i % 2 == 1 for i in range(700)]
 
 
 def test_exists_and_remove(connect):

@@ -22,6 +22,7 @@ from kvstore.transport.server import DataPlaneServer
 from kvstore_client.errors import ChecksumMismatch, ProtocolError, TransportError
 from kvstore_client.transport import ShmConnection, TcpConnection, UnixConnection
 from kvstore_client.wire import (
+    FLAG_ABORT,
     FLAG_NO_REPLY,
     GET_ITEM,
     HEADER,
@@ -138,6 +139,9 @@ def test_huge_body_len_and_count(server):
     with raw(server) as sock:
         sock.sendall(pack_header(Op.PUT, 1, 1, 1 << 40))
         expect_error_and_close(sock, Status.FRAME_TOO_LARGE)
+    with raw(server) as sock:  # the error reply survives the client still sending its body
+        sock.sendall(pack_header(Op.PUT, 1, 1, 9 * MiB) + bytes(4 * MiB))
+        expect_error_and_close(sock, Status.FRAME_TOO_LARGE)
     with raw(server) as sock:
         sock.sendall(pack_header(Op.GET, 1, MAX_ITEMS + 1, 64))
         expect_error_and_close(sock, Status.FRAME_TOO_LARGE)
@@ -180,7 +184,13 @@ def test_client_killed_mid_put_stores_nothing(server):
     first, second = key("mid-put-1"), key("mid-put-2")
     payload = bytes(range(256)) * (4 * KiB)  # 1 MiB
     checksum = xxhash.xxh3_64_intdigest(payload)
-    table = put_entry(first, 0, len(payload), checksum) + put_entry(second, 1, len(payload), checksum)
+    table = put_entry(first, 0, len(payload), checksum)
+    with raw(server) as sock:  # one block, cut off halfway
+        sock.sendall(pack_header(Op.PUT, 1, 1, len(table) + len(payload)) + table + payload[: len(payload) // 2])
+        wait_until(lambda: store.stats()["dram"]["used"] > used)  # the node is receiving into a reservation
+    wait_until(lambda: no_connections(server))
+    assert not store.exists(first) and store.stats()["dram"]["used"] == used
+    table += put_entry(second, 1, len(payload), checksum)
     with raw(server) as sock:
         sock.sendall(pack_header(Op.PUT, 1, 2, len(table) + 2 * len(payload)) + table)
         sock.sendall(payload)  # the first block arrives whole: it is committed
@@ -210,6 +220,27 @@ def test_reservations_and_leases_end_with_the_connection(server):
     wait_until(lambda: no_connections(server))
     assert not store._dram.is_leased(stored) and not store.exists(key("reserved"))
     assert store.stats()["dram"]["used"] == used
+
+
+def test_commit_abort_revokes_and_count_mismatch_is_a_bad_frame(server):
+    store = server.store
+    wait_until(lambda: no_connections(server))
+    used = store.stats()["dram"]["used"]
+    target = key("aborted")
+    table = struct.pack("<BBIQ", 2, 16, 0, 64 * KiB) + b"ns" + target[1] + struct.pack("<BBIQ", 2, 0, 0, 10) + b"ns"
+    with raw(server) as sock:
+        for request_id in (1, 3):
+            sock.sendall(pack_header(Op.RESERVE, request_id, 2, len(table)) + table)
+            _, status, _, _, body = read_reply(sock)
+            assert status == Status.OK and (body[8], body[17]) == (Status.OK, Status.INVALID_KEY)
+            reservation = U64.unpack_from(body)[0]
+            if request_id == 1:
+                sock.sendall(pack_header(Op.COMMIT, 2, 2, 24, flags=FLAG_ABORT) + U64.pack(reservation) + bytes(16))
+                assert read_reply(sock)[4] == bytes([Status.OK, Status.INVALID_KEY])
+        sock.sendall(pack_header(Op.COMMIT, 4, 1, 16) + U64.pack(reservation) + bytes(8))  # 1 checksum for 2 items
+        expect_error_and_close(sock, Status.BAD_FRAME)
+    wait_until(lambda: no_connections(server))
+    assert not store.exists(target) and store.stats()["dram"]["used"] == used
 
 
 def test_refused_items_are_drained_and_the_stream_stays_in_sync(server):

@@ -33,11 +33,14 @@ from kvstore_client.wire import (
     status_of,
     unpack_header,
 )
+from kvstore.transport.ops import OPS
 
 if TYPE_CHECKING:
     from kvstore.transport.server import DataPlaneServer
 
 log = logging.getLogger(__name__)
+
+_LINGER_SECONDS, _LINGER_BYTES = 0.5, 64 << 20  # input drained after an error reply, at most
 
 
 class Frame:
@@ -69,11 +72,10 @@ class Connection:
 
     # -- the loop ---------------------------------------------------------------------
     def serve(self) -> None:
-        from kvstore.transport.ops import OPS
-
         request_id, op = 0, Op.ERROR
         try:
             while True:
+                request_id, op = 0, Op.ERROR  # what an error reply echoes until a header parses
                 if not self.reader.wait():
                     return  # closed between frames
                 op, _, flags, request_id, count, body_len = unpack_header(self.reader.read(HEADER_SIZE))
@@ -100,26 +102,35 @@ class Connection:
             raise ProtocolError(f"{count} items in one frame; at most {MAX_ITEMS}", Status.FRAME_TOO_LARGE)
 
     # -- helpers for ops ------------------------------------------------------------------
-    def read_table(self, frame: Frame, fixed, extra: int = 0) -> list[tuple]:
-        """Read and parse a frame body that is only an item table (plus ``extra`` leading bytes)."""
+    def read_table(self, frame: Frame, fixed) -> list[tuple]:
+        """Read and parse a frame body that is only an item table of ``fixed``-headed key entries."""
         if frame.body_len > MAX_TABLE_BYTES:
             raise ProtocolError(f"item table of {frame.body_len} bytes is too large", Status.FRAME_TOO_LARGE)
-        body = self.reader.read(frame.body_len)
-        return parse_table(body[extra:], frame.count, fixed)
+        return parse_table(self.reader.read(frame.body_len), frame.count, fixed)
 
-    def reply(self, frame: Frame, count: int, *parts, status: int = Status.OK) -> None:
+    def reply(self, frame: Frame, count: int, *parts) -> None:
         """Send a reply frame whose body is ``parts`` (bytes-like) in order."""
         body_len = sum(memoryview(p).nbytes for p in parts)
-        head = pack_header(frame.op, frame.request_id, count, body_len, status=status, flags=FLAG_REPLY)
+        head = pack_header(frame.op, frame.request_id, count, body_len, flags=FLAG_REPLY)
         if len(parts) <= 1:
             self.sock.sendall(head + bytes(parts[0]) if parts else head)
         else:
             send_buffers(self.sock, [head, *parts])
 
     def _send_error(self, request_id: int, status: int, message: str) -> None:
+        """Send an ERROR frame, then close gently: closing with unread input would reset the
+        connection and could destroy the reply before the client reads it."""
         body = message.encode()[:4096]
         try:
             self.sock.sendall(pack_header(Op.ERROR, request_id, 0, len(body), status=status, flags=FLAG_REPLY) + body)
+            self.sock.shutdown(socket.SHUT_WR)
+            self.sock.settimeout(_LINGER_SECONDS)
+            scratch, drained = bytearray(65536), 0
+            while drained < _LINGER_BYTES:
+                got = self.sock.recv_into(scratch)
+                if not got:
+                    break
+                drained += got
         except OSError:
             pass
 

@@ -40,7 +40,7 @@ class DataPlaneServer:
         if max_frame_bytes is None:
             max_frame_bytes = max(64 * MiB, max_block + MiB)
         if max_frame_bytes < max_block + 4096:
-            raise ConfigError(f"max_frame_bytes {max_frame_bytes} cannot carry one block of max_block_bytes {max_block}")
+            raise ConfigError(f"max_frame_bytes {max_frame_bytes} cannot carry a block of max_block_bytes {max_block}")
         self.store = store
         self.host, self.port = host, port
         self.unix_path = unix_path
