@@ -14,8 +14,11 @@ from kvstore_client.errors import (
     InvalidKey,
     InvalidValue,
     KVStoreError,
+    ProtocolError,
+    RemoteError,
     ReservationError,
     ServiceUnavailable,
+    TransportError,
     UnknownNamespace,
 )
 from kvstore_client.hashing import BlockHasher, chain_hashes, namespace_name, namespace_seed
@@ -34,8 +37,11 @@ __all__ = [
     "InvalidValue",
     "KVStoreError",
     "PrefixMatch",
+    "ProtocolError",
+    "RemoteError",
     "ReservationError",
     "ServiceUnavailable",
+    "TransportError",
     "UnknownNamespace",
     "chain_hashes",
     "make_key",

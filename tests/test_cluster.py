@@ -167,3 +167,22 @@ def test_metrics_endpoints(cluster):
     for url, name in ((master.record["metrics"], "kvstore_"), (nodes[0].record["metrics"], "kvstore_tier_used_bytes")):
         body = urllib.request.urlopen(f"http://{url}/metrics", timeout=5).read().decode()
         assert name in body and "# TYPE" in body
+
+
+def test_replicated_blocks_survive_a_node_loss(tmp_path):
+    master = start_master(ttl=1.0, replicas=2)
+    nodes = [start_node(master.record["master"], tmp_path / f"n{i}") for i in range(3)]
+    try:
+        keys = keys_of(12)
+        values = [value_for(k, 50 * KiB) for k in keys]
+        with Client(master.record["master"], prefer_shm=False, location_ttl=0) as client:
+            wait_for(lambda: len(node_ids(client)) == 3)
+            client.batch_put(keys, values)
+            holders = wait_for(lambda: (loc := client._locate(keys, use_cache=False)) and
+                               all(len(r) == 2 for r in loc) and loc)
+            victim = holders[0][0][0]
+            next(n for n in nodes if n.record["node_id"] == victim).kill()
+            assert client.batch_get(keys) == values  # served by the surviving replicas
+    finally:
+        for service in [*nodes, master]:
+            service.close()
