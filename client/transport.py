@@ -5,6 +5,7 @@
     ShmConnection(target, arena_name)     same host: reads and writes go straight
                                           through the node's shared-memory arena;
                                           the socket carries only small control frames
+                                          (in ``kvstore_client.shm``, re-exported here)
 
 A connection is one ordered byte stream and is NOT thread-safe: open one per
 thread (they are cheap: a socket and one INFO round trip). Frames are in
@@ -18,18 +19,17 @@ it returns one ``None`` (stored) or typed exception instance per item, and
 ``put`` raises that exception. A connection that died mid-transfer raises
 TransportError, a node that rejected a frame ProtocolError; both leave the
 connection closed. Big batches are split so that no frame exceeds the node's
-``max_frame_bytes``, with up to two frames in flight.
+``max_frame_bytes``, with up to two frames in flight. Shared-memory reads
+release their leases late, in front of the connection's next request;
+``flush()`` releases them at once (and is a no-op on socket transports).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
-import os
 import socket
 import struct
 from collections import deque
-from contextlib import contextmanager
 
 import xxhash
 
@@ -37,7 +37,6 @@ from kvstore_client.buffers import byte_view
 from kvstore_client.errors import (
     BufferTooSmall,
     ChecksumMismatch,
-    ConfigError,
     InvalidValue,
     KVStoreError,
     ProtocolError,
@@ -47,25 +46,26 @@ from kvstore_client.keys import MAX_DIGEST_LEN, MAX_NAMESPACE_LEN, BlockKey, che
 from kvstore_client.wire import (
     FLAG_NO_REPLY,
     GET_ITEM,
+    HEADER,
     HEADER_SIZE,
-    LEASE_ITEM,
+    MAGIC,
     PUT_ENTRY,
-    RESERVED_ITEM,
     U64,
+    VERSION,
     FrameReader,
     Op,
     Status,
     error_for,
     key_entry,
-    local_machine_id,
     pack_header,
     put_entry,
-    reserve_entry,
     send_buffers,
     unpack_header,
 )
 
 _checksum = xxhash.xxh3_64_intdigest
+_pack_header = HEADER.pack
+_pack_release1 = struct.Struct(HEADER.format + "Q").pack  # a RELEASE frame of one lease id
 WINDOW = 2  # frames in flight: the next is sent while the node answers the previous
 KEYS_PER_FRAME = 256  # keys-only requests stay small (< 64 KiB), so pipelining cannot deadlock
 UNIX_SOCKET_BUFFER = 4 << 20
@@ -117,6 +117,27 @@ def _put_item(item) -> tuple[BlockKey, memoryview, int]:
     return check_key(key), byte_view(value), depth
 
 
+class _StreamGuard:
+    """What ``DataPlaneConnection._stream`` returns (one per connection, reused: a plain
+    class is cheaper than a generator context manager on every request)."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: "DataPlaneConnection"):
+        self._conn = conn
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if exc is None:
+            return
+        if isinstance(exc, OSError):
+            self._conn._die(str(exc))
+            raise TransportError(f"data-plane connection failed: {exc}") from exc
+        self._conn._die(f"{kind.__name__}: {exc}")
+
+
 class DataPlaneConnection:
     """Operations shared by every transport, over one stream socket. One per thread."""
 
@@ -126,6 +147,8 @@ class DataPlaneConnection:
         self._reader = FrameReader(sock)
         self._request_id = 0
         self._dead: str | None = None
+        self._finished: list[int] = []  # lease ids done with (shared memory): released with the next request
+        self._guard = _StreamGuard(self)
         try:
             self._info = self.info(refresh=True)
         except BaseException:
@@ -136,19 +159,11 @@ class DataPlaneConnection:
         self.max_items = int(self._info["max_items"])
 
     # -- framing ----------------------------------------------------------------------------
-    @contextmanager
-    def _stream(self):
-        """Any failure inside leaves the byte stream out of sync: the connection is closed."""
+    def _stream(self) -> "_StreamGuard":
+        """A context in which any failure leaves the byte stream out of sync: the connection is closed."""
         if self._dead is not None:
             raise TransportError(f"connection is closed ({self._dead})")
-        try:
-            yield
-        except OSError as exc:
-            self._die(str(exc))
-            raise TransportError(f"data-plane connection failed: {exc}") from exc
-        except BaseException as exc:
-            self._die(f"{type(exc).__name__}: {exc}")
-            raise
+        return self._guard
 
     def _die(self, reason: str) -> None:
         self._dead = reason
@@ -159,13 +174,34 @@ class DataPlaneConnection:
 
     def _send(self, op: int, count: int, table: bytes, payloads=(), body_extra: int = 0, flags: int = 0) -> int:
         """Send one request frame (table, then payloads); its request id."""
+        lead = self._release_frame() if self._finished else b""
         self._request_id = request_id = (self._request_id + 1) & 0xFFFFFFFF
-        head = pack_header(op, request_id, count, len(table) + body_extra, flags=flags)
+        head = lead + _pack_header(MAGIC, VERSION, op, 0, flags, request_id, count, len(table) + body_extra)
         if payloads:
             send_buffers(self._sock, [head + table, *payloads])
         else:
             self._sock.sendall(head + table)
         return request_id
+
+    def _release_frame(self) -> bytes:
+        """A RELEASE (NO_REPLY) frame of the finished lease ids, to go out in front of the next request."""
+        ids, self._finished = self._finished, []
+        self._request_id = request_id = (self._request_id + 1) & 0xFFFFFFFF
+        if len(ids) == 1:
+            return _pack_release1(MAGIC, VERSION, Op.RELEASE, 0, FLAG_NO_REPLY, request_id, 1, U64.size, ids[0])
+        return (pack_header(Op.RELEASE, request_id, len(ids), U64.size * len(ids), flags=FLAG_NO_REPLY)
+                + struct.pack(f"<{len(ids)}Q", *ids))
+
+    def flush(self) -> None:
+        """Release now, and wait for the node to confirm, the leases of finished shared-memory
+        reads (they otherwise go out with this connection's next request, or expire after the
+        node's lease TTL). A no-op when nothing is pending, and on socket transports."""
+        if not self._finished or self._dead is not None:
+            return
+        with self._stream():
+            ids, self._finished = self._finished, []
+            request_id = self._send(Op.RELEASE, len(ids), struct.pack(f"<{len(ids)}Q", *ids))
+            self._reader.skip(self._reply(Op.RELEASE, request_id, 0))
 
     def _reply(self, op: int, request_id: int, count: int | None) -> int:
         """Read a reply header for ``request_id``; its body_len. Error frames raise their typed error."""
@@ -209,7 +245,10 @@ class DataPlaneConnection:
         results: list = [None] * len(keys)
         errors: dict[int, KVStoreError] = {}
 
-        def target(j: int, size: int):
+        def target(j: int, size: int | None):
+            if size is None:  # a retry found no block after all: forget the earlier copy
+                results[j] = None
+                return None
             if size > len(views[j]):
                 errors[j] = BufferTooSmall(f"block {j} is {size} bytes, buffer holds {len(views[j])}", size)
                 return None
@@ -228,7 +267,10 @@ class DataPlaneConnection:
         out: dict[int, bytearray] = {}
         errors: dict[int, KVStoreError] = {}
 
-        def target(j: int, size: int):
+        def target(j: int, size: int | None):
+            if size is None:  # a retry found no block after all: forget the earlier copy
+                out.pop(j, None)
+                return None
             out[j] = buf = bytearray(size)
             return memoryview(buf)
 
@@ -238,8 +280,9 @@ class DataPlaneConnection:
         return [bytes(out[j]) if j in out else None for j in range(len(keys))]
 
     def _read(self, keys: list, todo: list[int], costs: list[int], target, errors: dict) -> None:
-        """GET ``keys[j]`` for j in todo, block j into ``target(j, size)`` (a view, or None to drop it);
-        per-key failures go to ``errors``. Frames hold at most ``max_frame_bytes`` of ``costs``."""
+        """GET ``keys[j]`` for j in todo, block j into ``target(j, size)`` (a view, or None to drop it;
+        ``target(j, None)`` forgets an earlier call for j); per-key failures go to ``errors``.
+        Frames hold at most ``max_frame_bytes`` of ``costs``."""
         budget = self.max_frame_bytes - KEYS_PER_FRAME * GET_ITEM.size
         while todo:
             deferred: list[int] = []
@@ -397,192 +440,13 @@ class UnixConnection(DataPlaneConnection):
         super().__init__(_connect(path if "/" in path else "./" + path, timeout), verify=verify)
 
 
-class ShmLease:
-    """Zero-copy, read-only views of blocks leased in a node's arena (``views[j]``
-    is None for a miss or a block that is not in DRAM). The node keeps the
-    bytes in place, unevicted, until ``release`` (or the connection closes);
-    drop the views before releasing. A context manager."""
+def __getattr__(name: str):
+    """``ShmConnection`` and ``ShmLease`` live in kvstore_client.shm (which builds on this module)."""
+    if name in ("ShmConnection", "ShmLease"):
+        from kvstore_client import shm
 
-    def __init__(self, conn: "ShmConnection", views: list, lease_ids: list[int]):
-        self.views = views
-        self._conn, self._ids = conn, lease_ids
-
-    def release(self) -> None:
-        for view in self.views:
-            if view is not None:
-                try:
-                    view.release()
-                except BufferError:  # the caller kept something made from it: its bytes may now change
-                    pass
-        ids, self._ids = self._ids, []
-        self._conn._release(ids)
-
-    def __enter__(self) -> "ShmLease":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class ShmConnection(DataPlaneConnection):
-    """Same-host transport: maps the node's DRAM arena (read/write) and copies
-    blocks straight between it and caller buffers. ``target`` is the node's
-    Unix socket path or "host:port"; it carries only small control frames.
-
-    Reads: LEASE (the node pins the blocks in place and says where they are),
-    copy into the caller's buffer, verify the XXH3-64, RELEASE (no round trip).
-    Blocks that are only on SSD and cannot be brought to DRAM are read with GET.
-    Writes: RESERVE (arena offsets), copy in, COMMIT with each value's
-    checksum, which the node verifies over the arena bytes. One per thread.
-    """
-
-    def __init__(self, target: str, arena_name: str | None = None, *, verify: bool = True,
-                 timeout: float | None = None):
-        self.target = target
-        super().__init__(_connect(target, timeout), verify=verify)
-        try:
-            self._mem = self._map_arena(arena_name)
-        except BaseException:
-            self.close()
-            raise
-
-    def _map_arena(self, arena_name: str | None) -> memoryview:
-        info = self._info
-        if info.get("machine_id") != local_machine_id():
-            raise TransportError(f"node at {self.target} runs on another host: use TcpConnection")
-        name = os.path.basename(arena_name or info["arena"])
-        if name != info["arena"]:
-            raise ConfigError(f"arena {name!r} is not the node's (it serves {info['arena']!r})")
-        path = os.path.join(os.path.dirname(info["arena_path"]), name)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise TransportError(f"cannot map the node's arena {path}: {exc}") from exc
-        try:
-            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        return memoryview(self._mmap)
-
-    # -- reads -----------------------------------------------------------------------------
-    def _read(self, keys: list, todo: list[int], costs: list[int], target, errors: dict) -> None:
-        def copy(j: int, src: memoryview, checksum: int) -> None:
-            out = target(j, len(src))
-            if out is None:
-                return
-            out[:] = src
-            if self.verify and _checksum(out) != checksum:
-                errors[j] = ChecksumMismatch(f"block {j} copied from the arena does not match its checksum")
-
-        fallback = self._leased(keys, todo, costs, copy, errors, None)
-        if fallback:  # on SSD, and DRAM too full to bring them in: the node sends the bytes
-            super()._read(keys, fallback, costs, target, errors)
-
-    def lease_many(self, keys) -> ShmLease:
-        """Lease blocks and return zero-copy views of them (see ShmLease)."""
-        keys = [check_key(k) for k in keys]
-        views: list = [None] * len(keys)
-        errors: dict[int, KVStoreError] = {}
-        ids: list[int] = []
-
-        def keep(j: int, src: memoryview, checksum: int) -> None:
-            if self.verify and _checksum(src) != checksum:
-                errors[j] = ChecksumMismatch(f"leased block {j} does not match its checksum")
-            views[j] = src.toreadonly()
-
-        self._leased(keys, list(range(len(keys))), [0] * len(keys), keep, errors, ids)
-        lease = ShmLease(self, views, ids)
-        if errors:
-            lease.release()
-            _raise_first(errors)
-        return lease
-
-    def _leased(self, keys: list, todo: list[int], costs: list[int], on_block, errors: dict,
-                keep_ids: list | None) -> list[int]:
-        """LEASE keys[j] for j in todo and call ``on_block(j, arena view, checksum)`` for each
-        leased block; release each lease after (or append its id to ``keep_ids``).
-        Returns the indices stored but not in DRAM."""
-        not_in_dram: list[int] = []
-        mem, item = self._mem, LEASE_ITEM.size
-        while todo:
-            deferred: list[int] = []
-            for chunk in _split(todo, costs, self.max_frame_bytes, KEYS_PER_FRAME):
-                with self._stream():
-                    request_id = self._keys_request(Op.LEASE, keys, chunk)
-                    if self._reply(Op.LEASE, request_id, len(chunk)) != U64.size + len(chunk) * item:
-                        raise ProtocolError("LEASE reply body_len does not match its count")
-                    body = self._reader.read(U64.size + len(chunk) * item)
-                    lease_id = U64.unpack_from(body)[0]
-                    items = list(LEASE_ITEM.iter_unpack(body[U64.size :]))
-                if keep_ids is not None and lease_id:
-                    keep_ids.append(lease_id)
-                try:
-                    for j, (status, offset, size, checksum) in zip(chunk, items):
-                        if status == Status.OK:
-                            if offset + size > len(mem):
-                                raise ProtocolError(f"lease of {size} bytes at {offset} lies outside the arena")
-                            on_block(j, mem[offset : offset + size], checksum)
-                        elif status == Status.NOT_IN_DRAM:
-                            not_in_dram.append(j)
-                        elif status == Status.FRAME_TOO_LARGE and j != chunk[0]:  # the first is always served
-                            deferred.append(j)
-                        elif status != Status.NOT_FOUND:
-                            errors[j] = error_for(status)
-                finally:
-                    if keep_ids is None and lease_id:
-                        self._release([lease_id])
-            todo = deferred
-        return not_in_dram
-
-    def _release(self, lease_ids: list[int]) -> None:
-        """RELEASE without waiting: stream order applies it before our next request."""
-        if not lease_ids or self._dead is not None:
-            return  # a closed connection's leases are released by the node
-        with self._stream():
-            self._send(Op.RELEASE, len(lease_ids), b"".join(U64.pack(i) for i in lease_ids), flags=FLAG_NO_REPLY)
-
-    # -- writes ------------------------------------------------------------------------------
-    def _put(self, ready: dict[int, tuple], results: list) -> None:
-        costs = {i: len(view) for i, (_, view, _) in ready.items()}
-        for chunk in _split(list(ready), costs, self.max_frame_bytes, KEYS_PER_FRAME):
-            reservation_id, items = self._reserve(ready, chunk)
-            statuses = {i: status for i, (status, _) in zip(chunk, items)}
-            if reservation_id:
-                checksums = []
-                for i, (status, offset) in zip(chunk, items):
-                    view = ready[i][1]
-                    if status == Status.OK:
-                        self._mem[offset : offset + len(view)] = view
-                    checksums.append(_checksum(view) if status == Status.OK else 0)
-                with self._stream():
-                    table = U64.pack(reservation_id) + struct.pack(f"<{len(chunk)}Q", *checksums)
-                    self._statuses(Op.COMMIT, chunk, self._send(Op.COMMIT, len(chunk), table), statuses)
-            for i in chunk:
-                results[i] = None if statuses[i] == Status.OK else error_for(statuses[i])
-
-    def _reserve(self, ready: dict[int, tuple], chunk: list[int]) -> tuple[int, list[tuple[int, int]]]:
-        """RESERVE arena space for the chunk's items: (reservation id, [(status, offset)])."""
-        size = U64.size + len(chunk) * RESERVED_ITEM.size
-        with self._stream():
-            table = b"".join([reserve_entry(ready[i][0], ready[i][2], len(ready[i][1])) for i in chunk])
-            if self._reply(Op.RESERVE, self._send(Op.RESERVE, len(chunk), table), len(chunk)) != size:
-                raise ProtocolError("RESERVE reply body_len does not match its count")
-            body = self._reader.read(size)
-            items = list(RESERVED_ITEM.iter_unpack(body[U64.size :]))
-            for i, (status, offset) in zip(chunk, items):
-                if status == Status.OK and offset + len(ready[i][1]) > len(self._mem):
-                    raise ProtocolError(f"the node reserved {len(ready[i][1])} bytes at {offset}, outside its arena")
-            return U64.unpack_from(body)[0], items
-
-    def close(self) -> None:
-        super().close()
-        mem, self._mem = getattr(self, "_mem", None), None
-        if mem is not None:
-            mem.release()
-            try:
-                self._mmap.close()
-            except BufferError:  # a caller still holds a leased view: the GC unmaps later
-                pass
+        return getattr(shm, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["DataPlaneConnection", "ShmConnection", "ShmLease", "TcpConnection", "UnixConnection"]

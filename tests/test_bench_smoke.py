@@ -44,3 +44,15 @@ def test_engine_bench_runs_small(capsys):
 def test_fragmentation_bench_equal_sizes_waste_nothing():
     result = fragmentation.churn(64 << 20, 2000, 1 << 20, 1 << 20, seed=1)
     assert result["mean_utilization"] == 1.0
+
+
+def test_dataplane_bench_runs_small(capsys):
+    from bench import dataplane
+
+    dataplane.main(["--working-set", "8MiB", "--repeats", "1", "--batch-blocks", "64", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    single = result["single"]
+    for name in ("memcpy_gbps", "shm_memcpy_gbps", "shm_get_gbps", "tcp_get_gbps", "raw_socket_gbps"):
+        assert single[name] > 0
+    assert single["shm_get_vs_memcpy"] > 0 and single["shm_get_vs_shm_memcpy"] > 0
+    assert result["tcp_batch_64k"]["blocks_per_s"] > 0 and len(result["targets"]) == 4

@@ -92,6 +92,20 @@ def connect(request, node):
         conn.close()
 
 
+@pytest.fixture
+def shm_connect(node):
+    """Factory of shared-memory connections to the node, for what only that transport has (leases)."""
+    opened = []
+
+    def make(**options):
+        opened.append(ShmConnection(node.unix_path, **options))
+        return opened[-1]
+
+    yield make
+    for conn in opened:
+        conn.close()
+
+
 def keys_for(tag: str, n: int, namespace: str = "ns") -> list:
     return [(namespace, xxhash.xxh3_128_digest(f"{tag}/{i}".encode())) for i in range(n)]
 
@@ -192,6 +206,8 @@ def test_buffer_too_small_fills_the_rest_and_keeps_the_connection(connect):
         conn.get_into_many(keys, buffers)
     assert info.value.needed == 20 * KiB
     assert bytes(buffers[0]) == values[0] and bytes(buffers[2]) == values[2]
+    with pytest.raises(BufferTooSmall):
+        conn.get_into(keys[1], buffers[1])
     assert conn.get_many(keys) == values
 
 
@@ -237,6 +253,7 @@ def test_ssd_resident_blocks_are_read_over_every_transport(connect, node):
     buffers = [bytearray(MiB) for _ in range(8)]
     assert conn.get_into_many(keys[4:12], buffers) == [MiB] * 8
     assert [bytes(b) for b in buffers] == values[4:12]
+    assert conn.get_into(keys[12], buffers[0]) == MiB and bytes(buffers[0]) == values[12]
 
 
 def test_reads_are_exact_under_concurrent_overwrites(connect):
@@ -274,10 +291,8 @@ def test_reads_are_exact_under_concurrent_overwrites(connect):
     assert not failures
 
 
-def test_leased_blocks_stay_put_while_others_write(connect, node):
-    if connect.transport != "shm":
-        pytest.skip("leases are the shared-memory transport's")
-    conn, writer = connect(), connect()
+def test_leased_blocks_stay_put_while_others_write(shm_connect, node):
+    conn, writer = shm_connect(), shm_connect()
     key = keys_for("leased", 1)[0]
     original = value("leased", 2 * MiB)
     writer.put(key, original)

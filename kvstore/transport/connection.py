@@ -6,10 +6,12 @@ frame-level error (bad magic, unknown op, inconsistent table...) gets an
 ERROR reply and ends the connection, because the byte stream can no longer
 be trusted to be in sync; other connections are unaffected.
 
-The connection owns its lease and reservation tables: only its thread
-touches them, and when the connection ends, however it ends, every lease is
-released and every open reservation revoked (so a client that dies mid-PUT
-leaves nothing half-written and no DRAM held).
+The connection owns its lease and reservation tables. Reservations are
+touched only by its thread; leases are also expired by the server's reaper
+thread, so they live in a thread-safe ``LeaseTable`` (leases.py).
+When the connection ends, however it ends, every lease is released and every
+open reservation revoked (so a client that dies mid-PUT leaves nothing
+half-written and no DRAM held).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvstore_client.wire import (
     status_of,
     unpack_header,
 )
+from kvstore.transport.leases import LeaseTable
 from kvstore.transport.ops import OPS
 
 if TYPE_CHECKING:
@@ -53,7 +56,8 @@ class Frame:
 
 
 class Connection:
-    """Serves one client socket; see the module docstring. Not shared between threads."""
+    """Serves one client socket from one thread; see the module docstring. Only ``leases``
+    is touched by another thread (the server's reaper)."""
 
     def __init__(self, server: "DataPlaneServer", sock: socket.socket, peer: str):
         self.server = server
@@ -62,13 +66,17 @@ class Connection:
         self.peer = peer
         self.reader = FrameReader(sock)
         self.max_frame_bytes = server.max_frame_bytes
-        self.leases: dict[int, list] = {}  # lease id -> store Leases of one LEASE request
+        self.leases = LeaseTable()  # also expired by the server's reaper thread
         self.reservations: dict[int, list] = {}  # reservation id -> [(Reservation | None, status)]
         self._next_id = 0
 
     def new_id(self) -> int:
         self._next_id += 1
         return self._next_id
+
+    def issued(self, some_id: int) -> bool:
+        """Whether this connection ever handed out ``some_id`` (lease and reservation ids share one counter)."""
+        return 0 < some_id <= self._next_id
 
     # -- the loop ---------------------------------------------------------------------
     def serve(self) -> None:
@@ -110,6 +118,10 @@ class Connection:
 
     def reply(self, frame: Frame, count: int, *parts) -> None:
         """Send a reply frame whose body is ``parts`` (bytes-like) in order."""
+        if len(parts) == 1 and type(parts[0]) in (bytes, bytearray):  # the common small reply: one send
+            body = parts[0]
+            self.sock.sendall(pack_header(frame.op, frame.request_id, count, len(body), flags=FLAG_REPLY) + body)
+            return
         body_len = sum(memoryview(p).nbytes for p in parts)
         head = pack_header(frame.op, frame.request_id, count, body_len, flags=FLAG_REPLY)
         if len(parts) <= 1:
@@ -137,10 +149,7 @@ class Connection:
     # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
         """Release every lease, revoke every open reservation, close the socket (idempotent)."""
-        leases, self.leases = self.leases, {}
-        for group in leases.values():
-            for lease in group:
-                lease.release()
+        self.leases.release_all()
         reservations, self.reservations = self.reservations, {}
         for group in reservations.values():
             for res, _ in group:
@@ -160,3 +169,4 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+

@@ -19,6 +19,7 @@ import xxhash
 from kvstore_client.errors import KVStoreError, ProtocolError
 from kvstore_client.wire import (
     FLAG_ABORT,
+    FLAG_HOLD,
     FLAG_NO_REPLY,
     GET_ITEM,
     KEY_HEAD,
@@ -32,6 +33,8 @@ from kvstore_client.wire import (
     decode_key,
     status_of,
 )
+
+from kvstore.transport.leases import release_groups
 
 if TYPE_CHECKING:
     from kvstore.transport.connection import Connection, Frame
@@ -128,7 +131,7 @@ def op_lease(conn: "Connection", frame: "Frame") -> None:
     lease_id = 0
     if group:
         lease_id = conn.new_id()
-        conn.leases[lease_id] = group
+        conn.leases.add(lease_id, group, hold=bool(frame.flags & FLAG_HOLD))
     U64.pack_into(table, 0, lease_id)
     conn.reply(frame, frame.count, table)
 
@@ -137,14 +140,9 @@ def op_release(conn: "Connection", frame: "Frame") -> None:
     if frame.body_len != U64.size * frame.count:
         raise _bad(f"RELEASE of {frame.count} lease ids needs {U64.size * frame.count} body bytes")
     ids = struct.unpack(f"<{frame.count}Q", conn.reader.read(frame.body_len))
-    unknown = []
-    for lease_id in ids:
-        group = conn.leases.pop(lease_id, None)
-        if group is None:
-            unknown.append(lease_id)
-            continue
-        for lease in group:
-            lease.release()
+    groups, missing = conn.leases.pop(ids)
+    release_groups(groups)
+    unknown = [i for i in missing if not conn.issued(i)]  # the others expired (or were released twice)
     if unknown:
         raise ProtocolError(f"unknown lease id(s) {unknown[:8]}", Status.UNKNOWN_LEASE)
     if not frame.flags & FLAG_NO_REPLY:

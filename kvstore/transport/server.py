@@ -6,9 +6,14 @@ GIL is released inside every send/recv). The frame format is in
 ``proto/dataplane.md``; the ops in ``kvstore.transport.ops``; per-connection
 state and cleanup in ``kvstore.transport.connection``.
 
+Read leases a client has not released expire after ``lease_ttl`` seconds:
+a reaper thread sweeps every connection's lease table a few times per TTL,
+so an idle same-host client (which releases late, with its next request)
+cannot pin blocks forever.
+
 Thread-safety: ``start``/``stop`` are for the owner's thread; ``_lock``
 guards only the set of live connections (it is never held while calling the
-store). The store does its own locking.
+store, nor while the reaper expires leases). The store does its own locking.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 from kvstore_client.errors import ConfigError
 from kvstore_client.wire import MAX_ITEMS, VERSION, local_machine_id
@@ -27,26 +33,33 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _UNIX_SOCKET_BUFFER = 4 * MiB  # the kernel caps it at wmem_max / rmem_max
+DEFAULT_LEASE_TTL = 2.0  # seconds an unreleased read lease outlives its LEASE request
 
 
 class DataPlaneServer:
     """Serves ``store``'s blocks to SDK clients: TCP on ``host:port``, and a Unix
     socket at ``unix_path`` when given (same-host clients; the shared-memory
-    transport uses it as its control channel)."""
+    transport uses it as its control channel). Read leases not released within
+    ``lease_ttl`` seconds expire (None: never)."""
 
     def __init__(self, store: BlockStore, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None,
-                 node_id: str = "", machine_id: str = "", max_frame_bytes: int | None = None):
+                 node_id: str = "", machine_id: str = "", max_frame_bytes: int | None = None,
+                 lease_ttl: float | None = DEFAULT_LEASE_TTL):
         max_block = store.config.max_block_bytes
         if max_frame_bytes is None:
             max_frame_bytes = max(64 * MiB, max_block + MiB)
         if max_frame_bytes < max_block + 4096:
             raise ConfigError(f"max_frame_bytes {max_frame_bytes} cannot carry a block of max_block_bytes {max_block}")
+        if lease_ttl is not None and not lease_ttl > 0:
+            raise ConfigError(f"lease_ttl must be positive seconds or None, got {lease_ttl!r}")
         self.store = store
         self.host, self.port = host, port
         self.unix_path = unix_path
         self.node_id = node_id
         self.machine_id = machine_id or local_machine_id()
         self.max_frame_bytes = max_frame_bytes
+        self.lease_ttl = lease_ttl
+        self._stopped = threading.Event()  # wakes the lease reaper
         self._listeners: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._connections: dict[Connection, threading.Thread] = {}
@@ -72,6 +85,10 @@ class DataPlaneServer:
                                       name=f"kvstore-dataplane-accept-{listener.family.name}")
             thread.start()
             self._threads.append(thread)
+        if self.lease_ttl is not None:
+            reaper = threading.Thread(target=self._reap_leases, daemon=True, name="kvstore-dataplane-lease-reaper")
+            reaper.start()
+            self._threads.append(reaper)
         log.info("data plane listening on %s%s", self.address, f" and {self.unix_path}" if self.unix_path else "")
         return self
 
@@ -83,6 +100,7 @@ class DataPlaneServer:
                 return
             self._stopping = True
             live = list(self._connections.items())
+        self._stopped.set()
         for listener in self._listeners:
             try:
                 listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
@@ -117,6 +135,7 @@ class DataPlaneServer:
             "max_block_bytes": self.store.config.max_block_bytes,
             "max_frame_bytes": self.max_frame_bytes,
             "max_items": MAX_ITEMS,
+            "lease_ttl": self.lease_ttl,
         }
 
     @property
@@ -135,6 +154,19 @@ class DataPlaneServer:
                 log.exception("data-plane accept failed")
                 continue
             self._serve_later(sock, peer)
+
+    def _reap_leases(self) -> None:
+        """Every quarter TTL (at most 0.5 s), release leases older than the TTL on every connection."""
+        ttl = self.lease_ttl
+        while not self._stopped.wait(min(ttl / 4, 0.5)):
+            with self._lock:
+                live = list(self._connections)
+            cutoff = time.monotonic() - ttl
+            for conn in live:
+                try:
+                    conn.leases.expire(cutoff)
+                except Exception:  # never let one bad lease stop the sweeps
+                    log.exception("expiring the leases of data-plane connection %s failed", conn.peer)
 
     def _serve_later(self, sock: socket.socket, peer) -> None:
         if sock.family in (socket.AF_INET, socket.AF_INET6):

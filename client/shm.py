@@ -1,0 +1,345 @@
+"""Same-host data-plane connection: block bytes move through the node's shared-memory arena.
+
+    ShmConnection("/run/kvstore.sock")   the node's Unix socket (or "host:port") carries
+                                         only small control frames
+
+Reads: LEASE (the node pins the blocks in place and says where they are in
+its arena), copy into the caller's buffer, verify the XXH3-64. The lease is
+not released by a frame of its own: its id rides along with the
+connection's next request (a RELEASE frame sent in the same ``sendall``),
+or goes out at once with ``flush()``; the node expires leases older than its
+lease TTL, so an idle client pins nothing for long. A copy that raced such an
+expiry (and a writer reusing the space) fails its checksum: the block is
+leased and copied once more, then, if it is still damaged, read over the
+socket. With ``verify=False`` no checksum is computed, and a copy that ended
+later than the lease TTL after its LEASE was sent is redone the same way.
+Blocks stored only on SSD that the node cannot bring into DRAM are read with
+GET over the socket.
+
+Writes: RESERVE (arena offsets), copy in, COMMIT with each value's checksum,
+which the node verifies over the arena bytes.
+
+``lease_many`` hands out zero-copy views instead (``ShmLease``); those leases
+are taken with FLAG_HOLD, never expire, and end with ``ShmLease.release``.
+
+A connection is NOT thread-safe: one per thread. Frames: ``proto/dataplane.md``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+
+import xxhash
+
+from kvstore_client.buffers import byte_view
+from kvstore_client.errors import (
+    BufferTooSmall,
+    ChecksumMismatch,
+    ConfigError,
+    KVStoreError,
+    ProtocolError,
+    TransportError,
+)
+from kvstore_client.keys import BlockKey, check_key
+from kvstore_client.transport import KEYS_PER_FRAME, DataPlaneConnection, _connect, _raise_first, _split
+from kvstore_client.wire import (
+    FLAG_HOLD,
+    FLAG_NO_REPLY,
+    LEASE_ITEM,
+    RESERVED_ITEM,
+    U64,
+    Op,
+    Status,
+    error_for,
+    key_entry,
+    local_machine_id,
+    reserve_entry,
+)
+
+_checksum = xxhash.xxh3_64_intdigest
+_LEASE, _OK, _NOT_FOUND = int(Op.LEASE), int(Status.OK), int(Status.NOT_FOUND)
+_NOT_IN_DRAM, _FRAME_TOO_LARGE = int(Status.NOT_IN_DRAM), int(Status.FRAME_TOO_LARGE)
+_unpack_id = U64.unpack_from
+_unpack_item = LEASE_ITEM.unpack_from
+_ITEM = LEASE_ITEM.size
+_monotonic = time.monotonic
+_FIRST = (0,)  # the index list of a one-key request
+_NEVER = float("inf")
+
+
+class ShmLease:
+    """Zero-copy, read-only views of blocks leased in a node's arena (``views[j]``
+    is None for a miss or a block that is not in DRAM). The node keeps the
+    bytes in place, unevicted, until ``release`` (or the connection closes);
+    these leases do not expire. Drop the views before releasing. A context manager."""
+
+    def __init__(self, conn: "ShmConnection", views: list, lease_ids: list[int]):
+        self.views = views
+        self._conn, self._ids = conn, lease_ids
+
+    def release(self) -> None:
+        for view in self.views:
+            if view is not None:
+                try:
+                    view.release()
+                except BufferError:  # the caller kept something made from it: its bytes may now change
+                    pass
+        ids, self._ids = self._ids, []
+        self._conn._release_now(ids)
+
+    def __enter__(self) -> "ShmLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class ShmConnection(DataPlaneConnection):
+    """Same-host transport: maps the node's DRAM arena (read/write) and copies
+    blocks straight between it and caller buffers (see the module docstring).
+    ``target`` is the node's Unix socket path or "host:port". One per thread.
+    """
+
+    def __init__(self, target: str, arena_name: str | None = None, *, verify: bool = True,
+                 timeout: float | None = None):
+        self.target = target
+        super().__init__(_connect(target, timeout), verify=verify)
+        ttl = self._info.get("lease_ttl")
+        self.lease_ttl: float | None = None if ttl is None else float(ttl)  # the node's, from INFO
+        try:
+            self._mem = self._map_arena(arena_name)
+        except BaseException:
+            self.close()
+            raise
+
+    def _map_arena(self, arena_name: str | None) -> memoryview:
+        info = self._info
+        if info.get("machine_id") != local_machine_id():
+            raise TransportError(f"node at {self.target} runs on another host: use TcpConnection")
+        name = os.path.basename(arena_name or info["arena"])
+        if name != info["arena"]:
+            raise ConfigError(f"arena {name!r} is not the node's (it serves {info['arena']!r})")
+        path = os.path.join(os.path.dirname(info["arena_path"]), name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise TransportError(f"cannot map the node's arena {path}: {exc}") from exc
+        try:
+            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        return memoryview(self._mmap)
+
+    # -- reads -----------------------------------------------------------------------------
+    def get_into(self, key: BlockKey, buffer) -> int | None:
+        """One block into ``buffer``: its size, None for a miss.
+
+        The hot path: one LEASE round trip (carrying the release of the previous
+        read's lease), one copy, one checksum, and little else (no per-call
+        closures, chunking or result lists). A damaged copy is leased and copied once more, then
+        read over the socket, as is a block the node could not bring into DRAM.
+        """
+        key = check_key(key)
+        view = byte_view(buffer, writable=True)
+        sent = _monotonic()
+        lease_id, ((status, offset, size, checksum),) = self._lease((key,), _FIRST, 0)
+        if status != _OK:
+            if status == _NOT_FOUND:
+                return None
+            if status == _NOT_IN_DRAM:
+                return self._read_one(key, view, lease=False)
+            raise error_for(status)
+        try:
+            if size > len(view):
+                raise BufferTooSmall(f"block 0 is {size} bytes, buffer holds {len(view)}", size)
+            if offset + size > len(self._mem):
+                raise ProtocolError(f"lease of {size} bytes at {offset} lies outside the arena")
+            out = view if size == len(view) else view[:size]
+            out[:] = self._mem[offset : offset + size]
+            if _checksum(out) == checksum if self.verify else _monotonic() - sent < (self.lease_ttl or _NEVER):
+                return size
+        finally:
+            self._finished.append(lease_id)  # released with our next request
+        return self._read_one(key, view, lease=True)  # damaged: lease once more, then the socket
+
+    def _read_one(self, key: BlockKey, view: memoryview, lease: bool) -> int | None:
+        """get_into's slow path: lease and copy once more (no retry after), or read over the socket."""
+        result: list = [None]
+        errors: dict[int, KVStoreError] = {}
+
+        def target(j: int, size: int | None):
+            result[0] = size
+            if size is None:
+                return None
+            if size > len(view):  # replaced by a bigger block since the first lease
+                errors[0] = BufferTooSmall(f"block 0 is {size} bytes, buffer holds {len(view)}", size)
+                result[0] = None
+                return None
+            return view if size == len(view) else view[:size]
+
+        if lease:
+            self._read([key], [0], [len(view)], target, errors, retry=False)
+        else:
+            DataPlaneConnection._read(self, [key], [0], [len(view)], target, errors)
+        if errors:
+            raise errors[0]
+        return result[0]
+
+    def _read(self, keys: list, todo: list[int], costs: list[int], target, errors: dict,
+              retry: bool = True) -> None:
+        """Lease, copy and verify; a damaged copy is leased and copied once more (``retry``),
+        then read over the socket, as are blocks the node could not bring into DRAM."""
+        later, damaged = self._copy_leased(keys, todo, costs, target, errors)
+        if damaged and retry:  # a lease expired before its copy ended, and a writer reused the space
+            for j in damaged:
+                target(j, None)
+            more, damaged = self._copy_leased(keys, damaged, costs, target, errors)
+            later += more
+        for j in damaged:
+            target(j, None)
+        later += damaged
+        if later:
+            super()._read(keys, sorted(later), costs, target, errors)
+
+    def _copy_leased(self, keys: list, todo: list[int], costs: list[int], target, errors: dict):
+        """LEASE keys[j] for j in todo and copy each leased block into ``target(j, size)``.
+        Returns (indices stored but not in DRAM, indices whose copy is damaged)."""
+        mem, verify, ttl = self._mem, self.verify, self.lease_ttl
+        arena_size = len(mem)
+        later, damaged = [], []
+        while todo:
+            deferred = []
+            chunks = [todo] if len(todo) == 1 else _split(todo, costs, self.max_frame_bytes, KEYS_PER_FRAME)
+            for chunk in chunks:
+                sent = _monotonic()
+                lease_id, items = self._lease(keys, chunk, 0)
+                try:
+                    for j, (status, offset, size, checksum) in zip(chunk, items):
+                        if status == _OK:
+                            if offset + size > arena_size:
+                                raise ProtocolError(f"lease of {size} bytes at {offset} lies outside the arena")
+                            out = target(j, size)
+                            if out is None:
+                                continue
+                            out[:] = mem[offset : offset + size]
+                            if verify and _checksum(out) != checksum:
+                                damaged.append(j)
+                        elif status == _NOT_IN_DRAM:
+                            later.append(j)
+                        elif status == _FRAME_TOO_LARGE and j != chunk[0]:  # the first is always served
+                            deferred.append(j)
+                        elif status != _NOT_FOUND:
+                            errors[j] = error_for(status)
+                finally:
+                    if lease_id:
+                        self._finished.append(lease_id)  # released with our next request
+                if not verify and ttl is not None and _monotonic() - sent >= ttl:  # the lease may have lapsed
+                    damaged += [j for j, item in zip(chunk, items) if item[0] == _OK and j not in errors]
+            todo = deferred
+        return later, damaged
+
+    def _lease(self, keys: list, chunk: list[int], flags: int) -> tuple[int, list[tuple]]:
+        """One LEASE round trip for keys[j], j in chunk: (lease id, [(status, offset, size, checksum)])."""
+        n = len(chunk)
+        table = key_entry(keys[chunk[0]]) if n == 1 else b"".join([key_entry(keys[j]) for j in chunk])
+        size = U64.size + n * _ITEM
+        with self._stream():
+            if self._reply(_LEASE, self._send(_LEASE, n, table, flags=flags), n) != size:
+                raise ProtocolError("LEASE reply body_len does not match its count")
+            body = self._reader.read(size)
+            if n == 1:
+                return _unpack_id(body)[0], [_unpack_item(body, U64.size)]
+            return _unpack_id(body)[0], list(LEASE_ITEM.iter_unpack(body[U64.size :]))
+
+    def lease_many(self, keys) -> ShmLease:
+        """Lease blocks and return zero-copy views of them (see ShmLease)."""
+        keys = [check_key(k) for k in keys]
+        views: list = [None] * len(keys)
+        errors: dict[int, KVStoreError] = {}
+        ids: list[int] = []
+        mem, todo = self._mem, list(range(len(keys)))
+        try:
+            while todo:
+                deferred = []
+                for chunk in _split(todo, [0] * len(keys), self.max_frame_bytes, KEYS_PER_FRAME):
+                    lease_id, items = self._lease(keys, chunk, FLAG_HOLD)
+                    if lease_id:
+                        ids.append(lease_id)
+                    for j, (status, offset, size, checksum) in zip(chunk, items):
+                        if status == _OK:
+                            if offset + size > len(mem):
+                                raise ProtocolError(f"lease of {size} bytes at {offset} lies outside the arena")
+                            views[j] = mem[offset : offset + size].toreadonly()
+                            if self.verify and _checksum(views[j]) != checksum:
+                                errors[j] = ChecksumMismatch(f"leased block {j} does not match its checksum")
+                        elif status == _FRAME_TOO_LARGE and j != chunk[0]:
+                            deferred.append(j)
+                        elif status not in (_NOT_FOUND, _NOT_IN_DRAM):
+                            errors[j] = error_for(status)
+                todo = deferred
+        except BaseException:
+            ShmLease(self, views, ids).release()
+            raise
+        lease = ShmLease(self, views, ids)
+        if errors:
+            lease.release()
+            _raise_first(errors)
+        return lease
+
+    def _release_now(self, lease_ids: list[int]) -> None:
+        """RELEASE without waiting (held leases): stream order applies it before our next request."""
+        if not lease_ids or self._dead is not None:
+            return  # a closed connection's leases are released by the node
+        with self._stream():
+            self._send(Op.RELEASE, len(lease_ids), struct.pack(f"<{len(lease_ids)}Q", *lease_ids),
+                       flags=FLAG_NO_REPLY)
+
+    # -- writes ------------------------------------------------------------------------------
+    def _put(self, ready: dict[int, tuple], results: list) -> None:
+        costs = {i: len(view) for i, (_, view, _) in ready.items()}
+        for chunk in _split(list(ready), costs, self.max_frame_bytes, KEYS_PER_FRAME):
+            reservation_id, items = self._reserve(ready, chunk)
+            statuses = {i: status for i, (status, _) in zip(chunk, items)}
+            if reservation_id:
+                checksums = []
+                for i, (status, offset) in zip(chunk, items):
+                    view = ready[i][1]
+                    if status == Status.OK:
+                        self._mem[offset : offset + len(view)] = view
+                    checksums.append(_checksum(view) if status == Status.OK else 0)
+                with self._stream():
+                    table = U64.pack(reservation_id) + struct.pack(f"<{len(chunk)}Q", *checksums)
+                    self._statuses(Op.COMMIT, chunk, self._send(Op.COMMIT, len(chunk), table), statuses)
+            for i in chunk:
+                results[i] = None if statuses[i] == Status.OK else error_for(statuses[i])
+
+    def _reserve(self, ready: dict[int, tuple], chunk: list[int]) -> tuple[int, list[tuple[int, int]]]:
+        """RESERVE arena space for the chunk's items: (reservation id, [(status, offset)])."""
+        size = U64.size + len(chunk) * RESERVED_ITEM.size
+        with self._stream():
+            table = b"".join([reserve_entry(ready[i][0], ready[i][2], len(ready[i][1])) for i in chunk])
+            if self._reply(Op.RESERVE, self._send(Op.RESERVE, len(chunk), table), len(chunk)) != size:
+                raise ProtocolError("RESERVE reply body_len does not match its count")
+            body = self._reader.read(size)
+            items = list(RESERVED_ITEM.iter_unpack(body[U64.size :]))
+            for i, (status, offset) in zip(chunk, items):
+                if status == Status.OK and offset + len(ready[i][1]) > len(self._mem):
+                    raise ProtocolError(f"the node reserved {len(ready[i][1])} bytes at {offset}, outside its arena")
+            return U64.unpack_from(body)[0], items
+
+    def close(self) -> None:
+        """Close the socket (the node then releases every lease of this connection at once) and unmap."""
+        super().close()
+        mem, self._mem = getattr(self, "_mem", None), None
+        if mem is not None:
+            mem.release()
+            try:
+                self._mmap.close()
+            except BufferError:  # a caller still holds a leased view: the GC unmaps later
+                pass
+
+
+__all__ = ["ShmConnection", "ShmLease"]
