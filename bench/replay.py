@@ -1,0 +1,278 @@
+"""Scheduler trace replay: the real Conductor under a simulated clock.
+
+    python -m bench.replay --trace ../shared/data/conversation_trace.jsonl \
+        --policy kvcache_centric [--prefill 16 --decode 16 --cache-blocks 4000 \
+        --speed 1 --admission off] --json
+    python -m bench.replay --trace FILE --table policies   # every policy, one table
+    python -m bench.replay --trace FILE --table admission --prefill 8 --decode 8 --speed 2
+    python -m bench.replay --decision-latency [--blocks 1000000]   # one decision, 16P + 16D
+
+A discrete-event replay (``kvstore.scheduler.simulation``) in which every
+decision is made by ``kvstore.scheduler.Conductor`` reading the real
+``PrefixIndex`` that the simulated storage nodes (one per prefill instance,
+``--cache-blocks`` each, a real eviction policy) keep up to date. Cost model:
+``kvstore.scheduler.cost_model`` (LLaMA3-70B on 8xA800; ``--mfu``,
+``--bandwidth-gbps`` override). Trace timestamps are divided by ``--speed``.
+
+Reported per run: mean/p50/p90/p99 TTFT of served requests, TTFT SLO
+attainment (served within ``--ttft-slo`` / all requests), prefix hit ratio
+(reused blocks / blocks of admitted requests; ``local_hit_ratio`` without
+fetched ones), blocks transferred; rejected requests (at arrival, after
+prefill), prefill seconds wasted on requests rejected after prefill, decode
+pool load over time (sampled every ``--sample-s``) with its oscillation:
+standard deviation, mean absolute change between samples, and the
+correlation between prefill and decode load (anti-phase swings < 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+
+import numpy as np
+
+from bench.common import emit, markdown_table
+from kvstore.master.index import DRAM, STORED, PrefixIndex
+from kvstore.policy import POLICIES
+from kvstore.scheduler import ADMISSIONS, PREFILL_POLICIES, Conductor, CostModel, CostParams, Rejected, SimClock
+from kvstore.scheduler.simulation import SimRequest, Simulation
+
+NAMESPACE = "trace"
+DEFAULTS = dict(prefill=16, decode=16, cache_blocks=4000, speed=1.0, admission="off", ttft_slo=30.0,
+                tbt_slo=0.1, mfu=0.35, bandwidth_gbps=25.0, balancing_threshold=0, eviction="lru",
+                seed=0, sample_s=10.0, decode_kv_tokens=1_330_000)
+
+
+def load_requests(path: str, limit: int | None = None) -> list[dict]:
+    """Trace lines in timestamp order (stable for equal stamps), the first ``limit`` of them."""
+    with open(path) as f:
+        requests = [json.loads(line) for line in f if line.strip()]
+    requests.sort(key=lambda r: r["timestamp"])
+    return requests[:limit] if limit else requests
+
+
+def to_sim_requests(trace: list[dict], speed: float) -> list[SimRequest]:
+    digest_cache: dict[int, bytes] = {}
+
+    def digest(h: int) -> bytes:
+        d = digest_cache.get(h)
+        if d is None:
+            d = digest_cache[h] = h.to_bytes(8, "little", signed=h < 0)
+        return d
+
+    return [SimRequest(i, r["timestamp"] / 1000.0 / speed, int(r["input_length"]), int(r["output_length"]),
+                       [digest(h) for h in r["hash_ids"]]) for i, r in enumerate(trace)]
+
+
+def replay(trace: list[dict], policy: str, **options) -> dict:
+    """One run; ``options`` override DEFAULTS. Returns the metrics dict."""
+    cfg = {**DEFAULTS, **options}
+    params = CostParams(mfu=cfg["mfu"], transfer_bandwidth=cfg["bandwidth_gbps"] * 1e9,
+                        decode_kv_tokens=cfg["decode_kv_tokens"])
+    clock = SimClock()
+    conductor = Conductor(PrefixIndex(), CostModel(params), policy=policy, admission=cfg["admission"],
+                          ttft_slo=cfg["ttft_slo"], tbt_slo=cfg["tbt_slo"], namespace=NAMESPACE, clock=clock,
+                          seed=cfg["seed"], balancing_threshold=cfg["balancing_threshold"])
+    sim = Simulation(conductor, clock, cfg["prefill"], cfg["decode"], cfg["cache_blocks"], cfg["eviction"],
+                     cfg["sample_s"])
+    requests = to_sim_requests(trace, cfg["speed"])
+    start = time.perf_counter()
+    result = sim.run(requests)
+    out = {"policy": policy, **{k: cfg[k] for k in DEFAULTS}}
+    out.update(summarise(result, cfg["ttft_slo"], conductor.cost))
+    out["wall_seconds"] = round(time.perf_counter() - start, 2)
+    return out
+
+
+def summarise(result, ttft_slo: float, cost: CostModel) -> dict:
+    reqs = result.requests
+    admitted = [r for r in reqs if r.decision is not None]
+    served = [r for r in admitted if r.rejected is None]
+    ttft = np.array([r.prefill_end - r.arrival for r in served]) if served else np.zeros(1)
+    blocks = sum(len(r.digests) for r in admitted) or 1
+    after = [r for r in admitted if r.rejected is not None]
+    reasons: dict[str, int] = {}
+    for r in reqs:
+        if r.rejected is not None:
+            key = f"{r.rejected.stage}:{r.rejected.reason.value}"
+            reasons[key] = reasons.get(key, 0) + 1
+    prefill_busy = sum(p.busy_s for p in result.prefills)
+    waits = [w for d in result.decodes for w in d.waits]
+    decode_busy = sum(d.busy_s for d in result.decodes) or 1.0
+    p50, p90, p99 = np.percentile(ttft, [50, 90, 99])
+    out = {
+        "requests": len(reqs), "served": len(served),
+        "mean_ttft_s": round(float(ttft.mean()), 3), "p50_ttft_s": round(float(p50), 3),
+        "p90_ttft_s": round(float(p90), 3), "p99_ttft_s": round(float(p99), 3),
+        "ttft_slo_attainment": round(float((ttft <= ttft_slo).sum()) / len(reqs), 4) if served else 0.0,
+        "prefix_hit_ratio": round(sum(r.decision.prefix_blocks for r in admitted) / blocks, 4),
+        "local_hit_ratio": round(sum(r.decision.local_blocks for r in admitted) / blocks, 4),
+        "blocks_transferred": sum(len(r.decision.fetch_blocks) for r in admitted),
+        "rejected": len(reqs) - len(served), "rejected_at_arrival": len(reqs) - len(admitted),
+        "rejected_after_prefill": len(after), "rejected_by_reason": reasons,
+        "wasted_prefill_s": round(result.wasted_prefill_s, 2),
+        "prefill_utilisation": round(prefill_busy / (len(result.prefills) * max(result.end_time, 1e-9)), 4),
+        "decode_over_slo_frac": round(sum(d.over_slo_s for d in result.decodes) / decode_busy, 4),
+        "decode_wait_mean_s": round(float(np.mean(waits)), 3) if waits else 0.0,
+        "decode_wait_p99_s": round(float(np.percentile(waits, 99)), 3) if waits else 0.0,
+        "evictions": sum(n.evictions for n in result.nodes),
+    }
+    out.update(oscillation(result.samples))
+    return out
+
+
+def oscillation(samples: list) -> dict:
+    """Decode load over time and how much it swings."""
+    if len(samples) < 3:
+        return {"decode_load_mean": 0.0, "decode_load_std": 0.0, "decode_load_mean_abs_change": 0.0,
+                "prefill_decode_load_corr": 0.0, "decode_load_series": []}
+    t, dec, pre = (np.array(c, dtype=float) for c in zip(*samples))
+    corr = float(np.corrcoef(dec, pre)[0, 1]) if dec.std() > 0 and pre.std() > 0 else 0.0
+    return {
+        "decode_load_mean": round(float(dec.mean()), 4),
+        "decode_load_std": round(float(dec.std()), 4),
+        "decode_load_mean_abs_change": round(float(np.abs(np.diff(dec)).mean()), 4),
+        "prefill_decode_load_corr": round(corr if math.isfinite(corr) else 0.0, 3),
+        "decode_load_series": [[round(a, 1), round(b, 3)] for a, b in zip(t, dec)],
+    }
+
+
+def policy_table(trace: list[dict], **options) -> dict:
+    runs = {p: replay(trace, p, **options) for p in PREFILL_POLICIES}
+    base = runs["kvcache_centric"]["mean_ttft_s"] or 1e-9
+    for r in runs.values():
+        r["ttft_ratio_vs_kvcache_centric"] = round(r["mean_ttft_s"] / base, 3)
+    return {"table": "policies", "runs": runs}
+
+
+def admission_table(trace: list[dict], policy: str, **options) -> dict:
+    runs = {a: replay(trace, policy, admission=a, **options) for a in ("none", "early", "prediction")}
+    return {"table": "admission", "runs": runs}
+
+
+def decision_latency(blocks: int = 1_000_000, chain_len: int = 40, prefill: int = 16, decode: int = 16,
+                     calls: int = 5000, in_flight: int = 256, seed: int = 0) -> dict:
+    """Time ``Conductor.schedule`` with ``blocks`` distinct blocks indexed (1.5x as many entries).
+
+    Chains of ``chain_len`` random digests: chain c lives on node c % prefill, its first half also on
+    node (c + 1) % prefill. Each request is a chain's first k blocks plus up to 8 new ones; ``in_flight``
+    requests are kept assigned (the oldest completes as a new one arrives), with admission
+    ``prediction`` so the predictor walks them on every call. Per policy: p50/p99/max microseconds.
+    """
+    rng = random.Random(seed)
+    index = PrefixIndex()
+    nodes = [f"node-{i}" for i in range(prefill)]
+    for n in nodes:
+        index.add_node(n)
+    chains = [[rng.randbytes(16) for _ in range(chain_len)] for _ in range(max(blocks // chain_len, 1))]
+    for c, chain in enumerate(chains):
+        index.apply(nodes[c % prefill], [(NAMESPACE, [(STORED, DRAM, d) for d in chain])])
+        index.apply(nodes[(c + 1) % prefill], [(NAMESPACE, [(STORED, DRAM, d) for d in chain[:chain_len // 2]])])
+    requests = []
+    for _ in range(calls):
+        chain = rng.choice(chains)
+        keys = chain[:rng.randint(1, chain_len)] + [rng.randbytes(16) for _ in range(rng.randint(0, 8))]
+        requests.append((keys, len(keys) * 512 - rng.randrange(512), rng.randint(10, 1000)))
+    out = {"indexed_blocks": index.size(), "prefill": prefill, "decode": decode, "calls": calls, "policies": {}}
+    for policy in PREFILL_POLICIES:
+        clock = SimClock()
+        conductor = Conductor(index, CostModel(), policy=policy, admission="prediction", ttft_slo=math.inf,
+                              tbt_slo=0.1, namespace=NAMESPACE, clock=clock)
+        for i, n in enumerate(nodes):
+            conductor.register_prefill(f"prefill-{i}", n)
+        for i in range(decode):
+            conductor.register_decode(f"decode-{i}", f"dnode-{i}")
+        times, live = [], []
+        for i, (keys, n, o) in enumerate(requests):
+            clock.advance(0.05)
+            t0 = time.perf_counter()
+            d = conductor.schedule(keys, n, o, request_id=i)
+            times.append(time.perf_counter() - t0)
+            live.append(d.request_id)
+            if len(live) > in_flight:
+                _complete(conductor, live.pop(0))
+        us = np.array(times) * 1e6
+        out["policies"][policy] = {"p50_us": round(float(np.percentile(us, 50)), 1),
+                                   "p99_us": round(float(np.percentile(us, 99)), 1), "max_us": round(float(us.max()), 1)}
+    return out
+
+
+def _complete(conductor: Conductor, rid) -> None:
+    conductor.prefill_started(rid)
+    if not isinstance(conductor.prefill_finished(rid), Rejected):
+        conductor.decode_finished(rid)
+
+
+def _render(result: dict) -> str:
+    if "indexed_blocks" in result:
+        rows = [[p, r["p50_us"], r["p99_us"], r["max_us"]] for p, r in result["policies"].items()]
+        head = f"{result['indexed_blocks']:,} blocks indexed, {result['prefill']}P + {result['decode']}D\n\n"
+        return head + markdown_table(["policy", "p50 us", "p99 us", "max us"], rows)
+    if result.get("table") == "policies":
+        rows = [[p, r["mean_ttft_s"], r["p90_ttft_s"], r["p99_ttft_s"], r["ttft_ratio_vs_kvcache_centric"],
+                 r["prefix_hit_ratio"], r["blocks_transferred"], r["wall_seconds"]] for p, r in result["runs"].items()]
+        return markdown_table(["policy", "mean TTFT s", "p90 TTFT s", "p99 TTFT s", "mean / kvcache_centric",
+                               "prefix hit", "blocks moved", "wall s"], rows)
+    if result.get("table") == "admission":
+        rows = [[a, r["rejected"], r["rejected_by_reason"], r["rejected_at_arrival"], r["rejected_after_prefill"], r["wasted_prefill_s"],
+                 r["mean_ttft_s"], r["decode_load_std"], r["decode_load_mean_abs_change"],
+                 r["decode_over_slo_frac"], r["decode_wait_mean_s"], r["wall_seconds"]]
+                for a, r in result["runs"].items()]
+        return markdown_table(["admission", "rejected", "why", "at arrival", "after prefill", "wasted prefill s",
+                               "mean TTFT s", "decode load std", "mean |change|", "decode over SLO", "decode wait s",
+                               "wall s"], rows)
+    return "\n".join(f"{k}: {v}" for k, v in result.items() if k != "decode_load_series")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", help="JSONL trace: timestamp (ms), input_length, output_length, hash_ids")
+    parser.add_argument("--policy", choices=sorted(PREFILL_POLICIES), default="kvcache_centric")
+    parser.add_argument("--prefill", type=int, default=DEFAULTS["prefill"], help="prefill instances")
+    parser.add_argument("--decode", type=int, default=DEFAULTS["decode"], help="decode instances")
+    parser.add_argument("--cache-blocks", type=int, default=DEFAULTS["cache_blocks"], help="blocks per prefill node")
+    parser.add_argument("--speed", type=float, default=DEFAULTS["speed"], help="replay speed-up")
+    parser.add_argument("--admission", choices=sorted(ADMISSIONS), default=DEFAULTS["admission"])
+    parser.add_argument("--ttft-slo", type=float, default=DEFAULTS["ttft_slo"], help="seconds")
+    parser.add_argument("--tbt-slo", type=float, default=DEFAULTS["tbt_slo"], help="seconds per token")
+    parser.add_argument("--mfu", type=float, default=DEFAULTS["mfu"], help="prefill model FLOPs utilisation")
+    parser.add_argument("--bandwidth-gbps", type=float, default=DEFAULTS["bandwidth_gbps"],
+                        help="prefix transfer bandwidth, GB/s")
+    parser.add_argument("--decode-kv-tokens", type=int, default=DEFAULTS["decode_kv_tokens"],
+                        help="context tokens one decode instance's HBM holds")
+    parser.add_argument("--balancing-threshold", type=int, default=DEFAULTS["balancing_threshold"], help="blocks")
+    parser.add_argument("--eviction", choices=sorted(POLICIES), default=DEFAULTS["eviction"])
+    parser.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed of the random policy")
+    parser.add_argument("--sample-s", type=float, default=DEFAULTS["sample_s"], help="load sampling period")
+    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--table", choices=["policies", "admission"], help="run every policy / admission mode")
+    parser.add_argument("--decision-latency", action="store_true",
+                        help="time one scheduling decision at --blocks indexed blocks instead of replaying")
+    parser.add_argument("--blocks", type=int, default=1_000_000, help="indexed blocks for --decision-latency")
+    parser.add_argument("--series", action="store_true", help="keep decode_load_series in the JSON")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    if args.decision_latency:
+        emit(decision_latency(args.blocks, prefill=args.prefill, decode=args.decode), args.json, _render)
+        return
+    if not args.trace:
+        parser.error("--trace is required (except with --decision-latency)")
+    trace = load_requests(args.trace, args.limit)
+    options = {k: getattr(args, k) for k in DEFAULTS if k != "admission"}
+    if args.table == "policies":
+        result = policy_table(trace, admission=args.admission, **options)
+    elif args.table == "admission":
+        result = admission_table(trace, args.policy, **options)
+    else:
+        result = replay(trace, args.policy, admission=args.admission, **options)
+    if not args.series:
+        for run in result.get("runs", {"": result}).values():
+            run.pop("decode_load_series", None)
+    emit(result, args.json, _render)
+
+
+if __name__ == "__main__":
+    main()

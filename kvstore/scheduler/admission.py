@@ -1,0 +1,150 @@
+"""Admission control under overload: who may enter, and who is turned away where.
+
+Four modes (``make_admission(name)``):
+
+- ``off``: never reject (measure only; the FAST'25 Fig. 5 setting). A request
+  that reaches decode goes to the least-loaded decode instance even above the
+  TBT SLO.
+- ``none``: no early rejection, the paper's baseline. At arrival the prefill
+  side refuses a request whose estimated TTFT exceeds the TTFT SLO; the decode
+  side is checked only when prefill is done, and a request no decode
+  instance can take within the TBT SLO is rejected then: its prefill is wasted.
+- ``early``: both checks at arrival, the decode one against the decode
+  instances' *current* load. An admitted request is committed: the decode
+  stage takes it even if the pool has filled meanwhile. Requests admitted
+  but still in prefill are invisible to the check, so admission overshoots,
+  then shuts, and decode load oscillates.
+- ``prediction``: as ``early``, but the decode check is against the decode
+  load *predicted for the moment the request would reach decode*
+  (now + estimated TTFT), see :class:`DecodeLoadPredictor`.
+
+Not thread-safe: the conductor calls these under its lock.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right, insort
+from collections import deque
+from dataclasses import dataclass
+
+from kvstore_client.errors import ConfigError
+
+
+@dataclass
+class _Tracked:
+    tokens: int
+    start: float          # predicted decode start (in prefill) or actual decode start (decoding)
+    decoding: bool = False
+
+
+class DecodeLoadPredictor:
+    """System-level prediction of the decode pool's context tokens at a future time.
+
+    Requests' own output lengths are not known in advance, so, as in the
+    paper, the prediction is system-level: every request's decode time is
+    drawn from the same distribution, the decode times of the last
+    ``window`` requests that finished (until the first one finishes: a fixed
+    ``initial_output_tokens`` x the TBT SLO). A request counts at time T with
+    the probability that it is still decoding then:
+
+    - decoding since ``s``: ``S(T - s) / S(now - s)`` (it has survived so far);
+    - admitted, still in prefill, predicted to reach decode at ``s`` (admission
+      time + estimated TTFT): ``S(T - s)`` if ``s <= T``, else 0;
+
+    where ``S(x)`` is the fraction of recent decode times longer than ``x``.
+    The prediction is the expected context tokens, sum of tokens x
+    probability. O(requests in flight x log window) per prediction.
+    """
+
+    def __init__(self, tbt_slo: float, initial_output_tokens: float = 512.0, window: int = 1000) -> None:
+        tbt = tbt_slo if tbt_slo != float("inf") else 0.1
+        self._durations: list[float] = [initial_output_tokens * tbt]   # sorted
+        self._recent: deque = deque()
+        self._window = window
+        self._seeded = True
+        self._tracked: dict = {}
+
+    @property
+    def decode_time(self) -> float:
+        """Mean of the recent decode times."""
+        return sum(self._durations) / len(self._durations)
+
+    def admitted(self, request_id, tokens: int, predicted_decode_start: float) -> None:
+        self._tracked[request_id] = _Tracked(tokens, predicted_decode_start)
+
+    def decoding(self, request_id, tokens: int, now: float) -> None:
+        self._tracked[request_id] = _Tracked(tokens, now, True)
+
+    def finished(self, request_id, now: float | None = None) -> None:
+        """The request left (``now`` given: it finished decoding then, and its decode time counts)."""
+        r = self._tracked.pop(request_id, None)
+        if now is None or r is None or not r.decoding:
+            return
+        if self._seeded:
+            self._durations.clear()
+            self._seeded = False
+        d = now - r.start
+        insort(self._durations, d)
+        self._recent.append(d)
+        if len(self._recent) > self._window:
+            old = self._recent.popleft()
+            del self._durations[bisect_left(self._durations, old)]
+
+    def _survival(self, x: float) -> float:
+        durations = self._durations
+        return (len(durations) - bisect_right(durations, x)) / len(durations)
+
+    def tokens_at(self, t: float, now: float) -> float:
+        """Expected context tokens in the decode pool at time ``t`` (>= ``now``)."""
+        survival = self._survival
+        total = 0.0
+        for r in self._tracked.values():
+            if r.start > t:
+                continue
+            if r.decoding:
+                alive = survival(now - r.start)
+                total += r.tokens * (survival(t - r.start) / alive if alive > 0 else 1.0)
+            else:
+                total += r.tokens * survival(t - r.start)
+        return total
+
+
+class Admission:
+    """Which checks run where. Subclasses set the flags."""
+
+    name = ""
+    check_ttft_at_arrival = True
+    check_decode_at_arrival = False
+    predict_decode = False
+    reject_at_decode = False
+
+
+class NoRejection(Admission):
+    name = "off"
+    check_ttft_at_arrival = False
+
+
+class NoEarlyRejection(Admission):
+    name = "none"
+    reject_at_decode = True
+
+
+class EarlyRejection(Admission):
+    name = "early"
+    check_decode_at_arrival = True
+
+
+class PredictiveEarlyRejection(Admission):
+    name = "prediction"
+    check_decode_at_arrival = True
+    predict_decode = True
+
+
+ADMISSIONS = {cls.name: cls for cls in (NoRejection, NoEarlyRejection, EarlyRejection, PredictiveEarlyRejection)}
+
+
+def make_admission(name: str) -> Admission:
+    try:
+        return ADMISSIONS[name]()
+    except KeyError:
+        raise ConfigError(f"unknown admission mode {name!r}; choose one of {sorted(ADMISSIONS)}") from None

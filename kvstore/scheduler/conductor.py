@@ -1,0 +1,307 @@
+"""The conductor: places each request on a prefill and a decode instance, or rejects it.
+
+``Conductor.schedule(block_keys, input_len, output_len, now)`` reads the
+prefix every storage node holds from the master's :class:`PrefixIndex` (the
+same index the live master keeps), asks the prefill policy for a placement,
+pairs it with a decode instance (the least loaded, counting requests already
+paired and still in prefill; Algorithm 1 picks both at once because the KV
+cache streams from prefill to that decode instance), applies the admission
+mode, and returns a :class:`Decision` or a typed :class:`Rejected`.
+The engines then report the request's lifecycle: ``prefill_started``,
+``prefill_finished`` (which places it on decode, or rejects it there under
+admission ``none``), ``decode_finished``.
+
+The conductor decides; it moves no bytes. A Decision that fetches lists the
+blocks to replicate to the chosen instance's node (hotspot migration); the
+caller (the master's gRPC adapter live, the simulated nodes in replay) copies
+them, and the node's STORED events update the index.
+
+Pure Python, no grpc; time comes from the ``now`` argument or the injected
+clock, so replay drives this very code under a simulated clock.
+
+Thread-safety: every public method is atomic under ``_lock``, which guards the
+registry, the policy state, the admission predictor and the request table.
+The prefix lookup runs before ``_lock`` is taken (the index has its own lock),
+so the conductor never holds its lock while calling out. Lock order where both
+are held by callers: Conductor._lock is never taken inside PrefixIndex._lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from dataclasses import dataclass
+from enum import Enum
+from typing import Sequence
+
+from kvstore.master.errors import InvalidRequest
+from kvstore.master.index import PrefixIndex
+from kvstore.scheduler.admission import DecodeLoadPredictor, make_admission
+from kvstore.scheduler.clock import Clock, MonotonicClock
+from kvstore.scheduler.cost_model import CostModel
+from kvstore.scheduler.policies import Placement, Prefix, decode_fit, make_prefill_policy, select_decode
+from kvstore.scheduler.registry import Registry
+from kvstore_client.keys import digest_of
+
+INF = math.inf
+
+
+class RejectReason(str, Enum):
+    TTFT_SLO = "ttft_slo"                          # estimated TTFT above the TTFT SLO
+    DECODE_OVERLOADED = "decode_overloaded"        # no decode instance meets the TBT SLO now
+    DECODE_PREDICTED = "decode_predicted_overloaded"  # predicted decode load too high at arrival in decode
+    NO_INSTANCE = "no_instance"                    # no prefill or decode instance registered
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request runs. Block counts are in blocks of ``block_tokens``; times in seconds."""
+
+    request_id: object
+    prefill: str                 # prefill instance id
+    prefill_node: str            # its storage node (where fetched blocks are replicated)
+    decode: str | None           # decode instance paired with the request (KV streams there)
+    prefix_blocks: int           # blocks reused (local + fetched)
+    prefix_len: int              # tokens reused
+    local_blocks: int            # blocks already on the prefill node
+    fetch_from: str | None       # node to fetch the missing prefix blocks from
+    fetch_blocks: tuple          # digests to copy from fetch_from to prefill_node, in chain order
+    est_queue_s: float
+    est_transfer_s: float
+    est_prefill_s: float
+    est_ttft_s: float
+    est_tbt_s: float
+
+    @property
+    def service_s(self) -> float:
+        """Seconds the prefill instance is busy with the request (fetch, then prefill)."""
+        return self.est_transfer_s + self.est_prefill_s
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A request turned away (HTTP 429 / RESOURCE_EXHAUSTED at the edge)."""
+
+    request_id: object
+    reason: RejectReason
+    stage: str                   # "arrival" or "decode" (after prefill: the prefill was wasted)
+    est_ttft_s: float = INF
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class DecodeAssignment:
+    request_id: object
+    decode: str
+    tbt_s: float
+    within_slo: bool
+
+
+@dataclass
+class _Request:
+    prefill: str
+    tokens: int                  # context tokens in decode: input + output
+    paired: str | None = None    # decode instance chosen at arrival
+    decode: str | None = None    # decode instance running it
+
+
+class Conductor:
+    """Prefill/decode placement with the FAST'25 Algorithm 1 and early rejection. See the module doc."""
+
+    def __init__(self, index: PrefixIndex, cost: CostModel | None = None, *, policy: str = "kvcache_centric",
+                 admission: str = "off", ttft_slo: float = INF, tbt_slo: float = INF,
+                 namespace: str = "default", clock: Clock | None = None, seed: int = 0,
+                 balancing_threshold: int = 0) -> None:
+        self.index = index
+        self.cost = cost or CostModel()
+        self.policy = make_prefill_policy(policy, seed=seed, balancing_threshold=balancing_threshold)
+        self.admission = make_admission(admission)
+        self.ttft_slo, self.tbt_slo = float(ttft_slo), float(tbt_slo)
+        self.namespace = namespace
+        self.clock = clock or MonotonicClock()
+        self.registry = Registry()
+        self.predictor = DecodeLoadPredictor(self.tbt_slo)
+        self._token_limit = self.cost.decode_token_limit(self.tbt_slo)
+        self._requests: dict[object, _Request] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    # -- registry ---------------------------------------------------------------------------
+    def register_prefill(self, instance_id: str, node_id: str) -> None:
+        with self._lock:
+            self.registry.add_prefill(instance_id, node_id)
+
+    def register_decode(self, instance_id: str, node_id: str) -> None:
+        with self._lock:
+            self.registry.add_decode(instance_id, node_id, self._token_limit)
+
+    def unregister(self, instance_id: str) -> bool:
+        with self._lock:
+            return self.registry.remove(instance_id)
+
+    def report_prefill_load(self, instance_id: str, queue_len: int, busy_s: float, now: float | None = None) -> None:
+        now = self._now(now)
+        with self._lock:
+            self.registry.report_prefill_load(instance_id, queue_len, busy_s, now)
+
+    def report_decode_load(self, instance_id: str, batch: int, context_tokens: int) -> None:
+        with self._lock:
+            self.registry.report_decode_load(instance_id, batch, context_tokens)
+
+    # -- the decision -----------------------------------------------------------------------
+    def schedule(self, block_keys: Sequence, input_len: int, output_len: int = 0, now: float | None = None,
+                 request_id=None) -> Decision | Rejected:
+        """Place one request (Algorithm 1 + admission). ``block_keys``: the request's chained block
+        digests (bytes) or engine hash ids (ints / hex), one per ``block_tokens`` tokens."""
+        now = self._now(now)
+        if input_len < 0 or output_len < 0:
+            raise InvalidRequest("input_len and output_len cannot be negative")
+        digests = [k if type(k) is bytes else digest_of(k) for k in block_keys]
+        per_node = self.index.match_prefix(self.namespace, digests)[0] if digests else {}
+        prefix = Prefix.from_match(per_node)
+        tokens = int(input_len) + int(output_len)
+        with self._lock:
+            if request_id is None:
+                request_id = next(self._ids)
+            elif request_id in self._requests:
+                raise InvalidRequest(f"request {request_id!r} is already scheduled")
+            instances = self.registry.prefill_instances()
+            if not instances:
+                return Rejected(request_id, RejectReason.NO_INSTANCE, "arrival", detail="no prefill instance")
+            placement = self.policy.choose(int(input_len), prefix, instances, self.cost, now)
+            pick = select_decode(self.registry.decode_instances(), tokens, self.cost)
+            rejected = self._arrival_check(request_id, placement, pick, tokens, now)
+            if rejected is not None:
+                return rejected
+            inst = placement.instance
+            self.registry.assign_prefill(inst, request_id, placement.service_s)
+            req = self._requests[request_id] = _Request(inst.instance_id, tokens)
+            if pick.instance is not None:
+                self.registry.reserve_decode(pick.instance, request_id, tokens)
+                req.paired = pick.instance.instance_id
+            self.predictor.admitted(request_id, tokens, now + placement.ttft_s)
+        return self._decision(request_id, placement, pick, digests, input_len)
+
+    def _arrival_check(self, request_id, placement: Placement, pick, tokens: int, now: float) -> Rejected | None:
+        adm = self.admission
+        ttft = placement.ttft_s
+        if adm.check_ttft_at_arrival and ttft > self.ttft_slo:
+            return Rejected(request_id, RejectReason.TTFT_SLO, "arrival", ttft,
+                            f"estimated TTFT {ttft:.2f}s > SLO {self.ttft_slo:.2f}s")
+        if not adm.check_decode_at_arrival:
+            return None
+        if pick.instance is None:
+            return Rejected(request_id, RejectReason.NO_INSTANCE, "arrival", ttft, "no decode instance")
+        if adm.predict_decode:
+            predicted = self.predictor.tokens_at(now + ttft, now) + tokens
+            limit = sum(d.token_limit for d in self.registry.decode_instances())
+            if predicted > limit:
+                return Rejected(request_id, RejectReason.DECODE_PREDICTED, "arrival", ttft,
+                                f"predicted decode tokens {predicted:.0f} > {limit}")
+        elif not pick.fits:
+            return Rejected(request_id, RejectReason.DECODE_OVERLOADED, "arrival", ttft,
+                            f"TBT {pick.tbt_s * 1e3:.1f}ms above SLO on {pick.instance.instance_id}")
+        return None
+
+    def _decision(self, request_id, placement: Placement, pick, digests: list, input_len: int) -> Decision:
+        inst = placement.instance
+        fetch = tuple(digests[placement.local_blocks:placement.prefix_blocks]) if placement.fetch_from else ()
+        return Decision(
+            request_id=request_id, prefill=inst.instance_id, prefill_node=inst.node_id,
+            decode=pick.instance.instance_id if pick.instance else None,
+            prefix_blocks=placement.prefix_blocks,
+            prefix_len=self.cost.cached_tokens(input_len, placement.prefix_blocks),
+            local_blocks=placement.local_blocks, fetch_from=placement.fetch_from, fetch_blocks=fetch,
+            est_queue_s=placement.queue_s, est_transfer_s=placement.transfer_s,
+            est_prefill_s=placement.prefill_s, est_ttft_s=placement.ttft_s, est_tbt_s=pick.tbt_s)
+
+    # -- lifecycle reports --------------------------------------------------------------------
+    def prefill_started(self, request_id, now: float | None = None) -> None:
+        now = self._now(now)
+        with self._lock:
+            req = self._get(request_id)
+            self.registry.start_prefill(self.registry.get_prefill(req.prefill), request_id, now)
+
+    def prefill_finished(self, request_id, now: float | None = None) -> DecodeAssignment | Rejected:
+        """Prefill done: the request moves to its paired decode instance (picked again if that one
+        left), or is rejected there when it is over the TBT SLO (admission ``none`` only)."""
+        now = self._now(now)
+        with self._lock:
+            req = self._get(request_id)
+            inst = self.registry.prefill.get(req.prefill)
+            if inst is not None:
+                self.registry.finish_prefill(inst, request_id)
+            paired = self.registry.decode.get(req.paired) if req.paired else None
+            if paired is not None:
+                self.registry.release_decode(paired, request_id)
+                pick = decode_fit(paired, req.tokens, self.cost)
+            else:
+                pick = select_decode(self.registry.decode_instances(), req.tokens, self.cost)
+            reject = None
+            if pick.instance is None:
+                reject = Rejected(request_id, RejectReason.NO_INSTANCE, "decode", detail="no decode instance")
+            elif self.admission.reject_at_decode and not pick.fits:
+                reject = Rejected(request_id, RejectReason.DECODE_OVERLOADED, "decode",
+                                  detail=f"TBT {pick.tbt_s * 1e3:.1f}ms above SLO on {pick.instance.instance_id}")
+            if reject is not None:
+                del self._requests[request_id]
+                self.predictor.finished(request_id)
+                return reject
+            self.registry.assign_decode(pick.instance, request_id, req.tokens)
+            req.decode = pick.instance.instance_id
+            self.predictor.decoding(request_id, req.tokens, now)
+            return DecodeAssignment(request_id, req.decode, pick.tbt_s, pick.fits)
+
+    def decode_finished(self, request_id, now: float | None = None) -> None:
+        now = self._now(now)
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+            if req is None:
+                return
+            if req.decode is not None and req.decode in self.registry.decode:
+                self.registry.finish_decode(self.registry.decode[req.decode], request_id)
+            self.predictor.finished(request_id, now)
+
+    def cancel(self, request_id) -> bool:
+        """Forget a request wherever it is (client gone, engine failed). False if unknown."""
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+            if req is None:
+                return False
+            if req.prefill in self.registry.prefill:
+                self.registry.finish_prefill(self.registry.prefill[req.prefill], request_id)
+            if req.paired in self.registry.decode:
+                self.registry.release_decode(self.registry.decode[req.paired], request_id)
+            if req.decode is not None and req.decode in self.registry.decode:
+                self.registry.finish_decode(self.registry.decode[req.decode], request_id)
+            self.predictor.finished(request_id)
+            return True
+
+    # -- views ------------------------------------------------------------------------------
+    def loads(self, now: float | None = None) -> dict:
+        """Current load: per prefill instance (assigned, queue seconds), per decode (tokens, limit)."""
+        now = self._now(now)
+        with self._lock:
+            return {
+                "prefill": {i.instance_id: {"assigned": i.assigned(), "queue_s": i.queue_time(now)}
+                            for i in self.registry.prefill_instances()},
+                "decode": {d.instance_id: {"batch": d.batch(), "tokens": d.tokens(), "token_limit": d.token_limit}
+                           for d in self.registry.decode_instances()},
+            }
+
+    def decode_pool_load(self) -> float:
+        """Context tokens assigned to decode / tokens the pool holds within the TBT SLO."""
+        with self._lock:
+            ds = self.registry.decode_instances()
+            limit = sum(d.token_limit for d in ds)
+            return sum(d.tokens() for d in ds) / limit if limit else 0.0
+
+    def _get(self, request_id) -> _Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise InvalidRequest(f"unknown request {request_id!r}") from None
+
+    def _now(self, now: float | None) -> float:
+        return self.clock.now() if now is None else float(now)

@@ -1,0 +1,205 @@
+"""The conductor's lifecycle, admission modes (rejection under overload) and thread safety."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvstore.master.errors import InvalidRequest
+from kvstore.master.index import DRAM, STORED, PrefixIndex
+from kvstore.scheduler import (Conductor, CostModel, CostParams, Decision, DecodeAssignment, DecodeLoadPredictor,
+                               Rejected, RejectReason, SimClock)
+from kvstore.scheduler.clock import MonotonicClock
+from kvstore_client.errors import ConfigError
+
+NS = "test"
+KEYS = [i.to_bytes(8, "big") for i in range(1, 9)]
+# A decode instance holds 100k context tokens within the SLO (TBT SLO at 100k tokens).
+COST = CostModel(CostParams(decode_kv_tokens=100_000))
+TBT_SLO = 1.0
+
+
+def make(admission: str, *, prefill: int = 2, decode: int = 1, ttft_slo: float = 1000.0, clock=None) -> Conductor:
+    index = PrefixIndex()
+    c = Conductor(index, COST, policy="kvcache_centric", admission=admission, ttft_slo=ttft_slo, tbt_slo=TBT_SLO,
+                  namespace=NS, clock=clock or SimClock())
+    for i in range(prefill):
+        index.add_node(f"n{i}")
+        c.register_prefill(f"p{i}", f"n{i}")
+    for i in range(decode):
+        c.register_decode(f"d{i}", f"dn{i}")
+    return c
+
+
+def run_to_decode(c: Conductor, rid, tokens: int, now: float):
+    d = c.schedule(KEYS, tokens - 100, 100, now=now, request_id=rid)
+    assert isinstance(d, Decision), d
+    c.prefill_started(rid, now=now)
+    return c.prefill_finished(rid, now=now + d.est_ttft_s)
+
+
+def test_lifecycle_keeps_queue_times():
+    c = make("off", prefill=1)
+    a = c.schedule(KEYS, 4000, 10, now=0.0, request_id="a")
+    b = c.schedule(KEYS, 4000, 10, now=0.0, request_id="b")
+    assert b.est_queue_s == pytest.approx(a.service_s)
+    c.prefill_started("a", now=0.0)
+    assert c.loads(now=a.service_s / 2)["prefill"]["p0"]["queue_s"] == pytest.approx(a.service_s * 1.5)
+    assert isinstance(c.prefill_finished("a", now=a.service_s), DecodeAssignment)
+    c.prefill_started("b", now=a.service_s)
+    assert c.schedule(KEYS, 4000, 10, now=a.service_s, request_id="c").est_queue_s == pytest.approx(b.service_s)
+    assert c.cancel("c") and not c.cancel("c")
+    with pytest.raises(InvalidRequest):
+        c.schedule(KEYS, 10, 1, now=0.0, request_id="b")  # already in flight
+    with pytest.raises(InvalidRequest):
+        c.prefill_started("nope", now=0.0)
+
+
+def test_time_comes_from_the_injected_clock():
+    clock = SimClock(100.0)
+    c = make("off", prefill=1, clock=clock)
+    a = c.schedule(KEYS, 4000, 10, request_id="a")
+    c.prefill_started("a")
+    clock.advance(a.service_s / 2)
+    assert c.loads()["prefill"]["p0"]["queue_s"] == pytest.approx(a.service_s / 2)
+    assert isinstance(make("off", clock=MonotonicClock()).schedule(KEYS, 10, 1), Decision)
+
+
+def test_schedule_accepts_engine_hash_ids_and_reads_the_index():
+    c = make("off")
+    c.index.apply("n1", [(NS, [(STORED, DRAM, (h).to_bytes(16, "little")) for h in (7, 8, 9)])])
+    d = c.schedule([7, 8, 9, 10], 2048, 10, now=0.0)
+    assert (d.prefill, d.prefix_blocks, d.prefix_len) == ("p1", 3, 1536)
+
+
+def test_off_never_rejects():
+    c = make("off", ttft_slo=0.001)
+    for i in range(5):
+        out = run_to_decode(c, i, 90_000, now=0.0)
+        assert isinstance(out, DecodeAssignment)
+    assert not out.within_slo  # the decode pool is far over its SLO, and still takes it
+
+
+def test_ttft_slo_rejects_at_arrival_when_every_prefill_instance_is_overloaded():
+    c = make("none", ttft_slo=5.0)
+    for p in ("p0", "p1"):
+        c.report_prefill_load(p, queue_len=20, busy_s=60.0, now=0.0)
+    r = c.schedule(KEYS, 4000, 10, now=0.0)
+    assert isinstance(r, Rejected) and (r.reason, r.stage) == (RejectReason.TTFT_SLO, "arrival")
+    assert r.est_ttft_s > 60
+    assert c.loads(0.0)["prefill"]["p0"]["assigned"] == 0  # nothing was queued
+
+
+def test_none_rejects_after_prefill_when_decode_is_full():
+    c = make("none")
+    assert isinstance(run_to_decode(c, "big", 90_000, now=0.0), DecodeAssignment)
+    d = c.schedule(KEYS, 20_000, 100, now=1.0, request_id="late")
+    assert isinstance(d, Decision)  # no decode check at arrival
+    c.prefill_started("late", now=1.0)
+    r = c.prefill_finished("late", now=5.0)
+    assert isinstance(r, Rejected) and (r.reason, r.stage) == (RejectReason.DECODE_OVERLOADED, "decode")
+    assert c.loads(5.0)["decode"]["d0"]["tokens"] == 90_000  # the wasted request left no trace
+
+
+def test_early_rejects_at_arrival_on_current_decode_load():
+    c = make("early")
+    assert isinstance(run_to_decode(c, "big", 90_000, now=0.0), DecodeAssignment)
+    r = c.schedule(KEYS, 20_000, 100, now=1.0)
+    assert isinstance(r, Rejected) and (r.reason, r.stage) == (RejectReason.DECODE_OVERLOADED, "arrival")
+    assert isinstance(c.schedule(KEYS, 5_000, 100, now=1.0), Decision)  # a small one still fits
+
+
+def test_early_commits_admitted_requests_to_decode():
+    c = make("early")
+    for i in range(3):  # all admitted against an empty pool, 60k tokens each
+        assert isinstance(c.schedule(KEYS, 59_900, 100, now=0.0, request_id=i), Decision)
+    outs = []
+    for i in range(3):
+        c.prefill_started(i, now=float(i))
+        outs.append(c.prefill_finished(i, now=float(i) + 1))
+    assert all(isinstance(o, DecodeAssignment) for o in outs)  # no wasted prefill
+    assert not outs[-1].within_slo  # the overshoot shows up as TBT above the SLO
+
+
+def _warm_predictor(c: Conductor, decode_time: float) -> None:
+    """Teach the predictor that decode takes ``decode_time`` seconds."""
+    for i in range(5):
+        rid = f"w{i}"
+        run_to_decode(c, rid, 1000, now=0.0)
+        c.decode_finished(rid, now=c.predictor._tracked[rid].start + decode_time)
+
+
+def test_prediction_admits_when_decode_will_have_drained_by_then():
+    early, pred = make("early"), make("prediction")
+    for c in (early, pred):
+        _warm_predictor(c, decode_time=2.0)
+        c.report_prefill_load("p0", 5, 10.0, now=10.0)  # the request reaches decode in >= 10 s
+        c.report_prefill_load("p1", 5, 10.0, now=10.0)
+        assert isinstance(run_to_decode(c, "big", 90_000, now=10.0), DecodeAssignment)
+    assert isinstance(early.schedule(KEYS, 20_000, 100, now=10.0), Rejected)
+    d = pred.schedule(KEYS, 20_000, 100, now=10.0)
+    assert isinstance(d, Decision) and d.est_ttft_s > 10  # "big" will be gone by then
+
+
+def test_prediction_rejects_when_admitted_prefills_will_fill_decode():
+    early, pred = make("early"), make("prediction")
+    for c in (early, pred):
+        _warm_predictor(c, decode_time=60.0)
+        for i in range(2):  # 2 x 45k admitted, still in prefill: invisible to the current decode load
+            assert isinstance(c.schedule(KEYS, 44_900, 100, now=1.0, request_id=f"q{i}"), Decision)
+    assert isinstance(early.schedule(KEYS, 20_000, 100, now=1.0), Decision)
+    r = pred.schedule(KEYS, 20_000, 100, now=1.0)
+    assert isinstance(r, Rejected) and r.reason == RejectReason.DECODE_PREDICTED
+
+
+def test_predictor_survival_model():
+    p = DecodeLoadPredictor(tbt_slo=0.1, initial_output_tokens=100)
+    assert p.decode_time == pytest.approx(10.0)
+    p.decoding("a", 1000, now=0.0)
+    assert p.tokens_at(5.0, now=0.0) == 1000 and p.tokens_at(10.0, now=0.0) == 0
+    for i, d in enumerate([4.0, 8.0]):
+        p.decoding(i, 1, now=0.0)
+        p.finished(i, now=d)
+    assert p.decode_time == pytest.approx(6.0)
+    p.admitted("b", 500, predicted_decode_start=3.0)
+    assert p.tokens_at(2.0, now=0.0) == 1000       # "a" survives 2 s surely; "b" is not in decode yet
+    assert p.tokens_at(5.0, now=0.0) == 500 + 500  # "a" half likely past 5 s; "b" surely there
+    assert p.tokens_at(5.0, now=4.5) == 500 + 1000  # "a" has survived 4.5 s: it lasts 8 s
+
+
+def test_no_instances_and_bad_modes():
+    c = Conductor(PrefixIndex(), COST, namespace=NS, clock=SimClock())
+    r = c.schedule(KEYS, 100, 1, now=0.0)
+    assert isinstance(r, Rejected) and r.reason == RejectReason.NO_INSTANCE
+    c.register_prefill("p0", "n0")
+    c.schedule(KEYS, 100, 1, now=0.0, request_id="x")
+    c.prefill_started("x", now=0.0)
+    assert c.prefill_finished("x", now=1.0).reason == RejectReason.NO_INSTANCE
+    with pytest.raises(InvalidRequest):
+        c.register_prefill("p0", "n1")
+    with pytest.raises(ConfigError):
+        Conductor(PrefixIndex(), admission="sometimes")
+
+
+def test_schedule_is_thread_safe():
+    c = make("off", prefill=4, decode=2, clock=MonotonicClock())
+    c.index.apply("n0", [(NS, [(STORED, DRAM, k) for k in KEYS])])
+    decisions, errors = [], []
+
+    def worker(t):
+        try:
+            for i in range(200):
+                decisions.append(c.schedule(KEYS, 4096, 10, request_id=(t, i)))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(decisions) == 1600
+    loads = c.loads()["prefill"]
+    assert sum(v["assigned"] for v in loads.values()) == 1600
+    assert sum(c.registry.prefill[p].queued_s for p in loads) == pytest.approx(sum(d.service_s for d in decisions))
