@@ -20,13 +20,14 @@ import grpc
 
 from kvstore_client.buffers import byte_view
 from kvstore_client.connect import open_connection
-from kvstore_client.errors import InvalidValue, ServiceUnavailable
+from kvstore_client.errors import InvalidValue, Overloaded, ServiceUnavailable
 from kvstore_client.hashing import BlockHasher
 from kvstore_client.hostid import machine_id
 from kvstore_client.keys import BlockKey, check_key
 from kvstore_client.locations import LocationCache
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.scheduling import Placement, SchedulingCalls
 
 log = logging.getLogger(__name__)
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -67,6 +68,7 @@ class Client:
         self._local = threading.local()
         self._all_connections: list = []
         self._closed = False
+        self.scheduling = SchedulingCalls(self._channel, self._call)
 
     # -- writes -------------------------------------------------------------------------
     def put(self, key: BlockKey, value, *, depth: int = 0) -> None:
@@ -228,6 +230,15 @@ class Client:
         loaded = next((i for i, n in enumerate(got) if n is None), len(got))
         return loaded * hasher.block_size
 
+    # -- scheduling (the conductor) ---------------------------------------------------------------
+    def schedule(self, keys: Sequence[BlockKey], input_length: int, output_length: int = 0,
+                 request_id: str = "") -> Placement:
+        """Ask the conductor which prefill and decode engines run a request whose prompt has
+        the block ``keys``; raises Overloaded (with ``.reason``) when it rejects the request.
+        Engines register and report through ``client.scheduling``."""
+        keys = [check_key(k) for k in keys]
+        return self.scheduling.schedule(keys, input_length, output_length, request_id)
+
     # -- admin -----------------------------------------------------------------------------------
     def cluster_status(self) -> pb.ClusterStatusReply:
         return self._call(self._stub.ClusterStatus, pb.ClusterStatusRequest())
@@ -243,6 +254,9 @@ class Client:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidValue(exc.details()) from None
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # "Method: reason: detail"
+                parts = (exc.details() or "").split(": ", 2)
+                raise Overloaded(exc.details(), parts[1] if len(parts) == 3 else "") from None
             reachable = exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
             state = "failed" if reachable else "is unreachable"
             raise ServiceUnavailable(f"master {self.master} {state}: {exc.code().name}: {exc.details()}") from None

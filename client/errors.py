@@ -68,3 +68,15 @@ class ProtocolError(KVStoreError):
 
 class RemoteError(KVStoreError):
     """The node failed internally while serving a request (a bug or a broken disk)."""
+
+
+class Overloaded(KVStoreError):
+    """The conductor rejected a request to protect its SLOs (the HTTP 429 of the store).
+
+    ``reason`` says which check failed: ttft_slo, decode_overloaded,
+    decode_predicted_overloaded or no_instance.
+    """
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason

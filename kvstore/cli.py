@@ -80,6 +80,22 @@ def store_options(f):
     return f
 
 
+def scheduling_options(f):
+    """The conductor's settings (see kvstore.scheduler)."""
+    options = [
+        click.option("--schedule-policy", type=click.Choice(["random", "load_balance", "cache_aware",
+                                                             "kvcache_centric"]),
+                     default="kvcache_centric", show_default=True, help="How the conductor picks prefill engines."),
+        click.option("--admission", type=click.Choice(["off", "none", "early", "prediction"]), default="prediction",
+                     show_default=True, help="Overload rejection: off, none (after prefill), early, prediction."),
+        click.option("--ttft-slo", type=float, default=float("inf"), help="TTFT SLO in seconds (default: none)."),
+        click.option("--tbt-slo", type=float, default=float("inf"), help="TBT SLO in seconds (default: none)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
 def build_store_config(data_dir, dram, ssd, max_block, policy):
     import os
 
@@ -100,23 +116,28 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
 @click.option("--metrics-port", type=int, default=7702, show_default=True, help="Prometheus port (0: any, -1: off).")
 @click.option("--ttl", type=float, default=5.0, show_default=True, help="Seconds without heartbeat before a node is dropped.")
 @click.option("--replicas", type=int, default=1, show_default=True, help="Copies of each block (best effort).")
+@scheduling_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
-def master(host, port, metrics_port, ttl, replicas, as_json) -> None:
-    """Run the master: membership, the global prefix index and placement."""
+def master(host, port, metrics_port, ttl, replicas, as_json, **scheduling) -> None:
+    """Run the master: membership, the global prefix index, placement and the conductor."""
     from kvstore.serving import serve_until_signalled
 
-    server = start_master(host, port, metrics_port, ttl, replicas)
+    server = start_master(host, port, metrics_port, ttl, replicas, **scheduling)
     announce(as_json, [f"kvstore master listening on {server.address}"] +
              ([f"metrics on http://{server.metrics_address}/metrics"] if server.metrics_address else []),
              {"master": server.address, "metrics": server.metrics_address})
     serve_until_signalled([server.stop])
 
 
-def start_master(host, port, metrics_port, ttl, replicas):
+def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcache_centric",
+                 admission="prediction", ttft_slo=float("inf"), tbt_slo=float("inf")):
+    from kvstore.master.conductor_service import SchedulingOptions
     from kvstore.master.server import MasterServer
 
+    scheduling = SchedulingOptions(policy=schedule_policy, admission=admission, ttft_slo_s=ttft_slo,
+                                   tbt_slo_s=tbt_slo)
     return MasterServer(host=host, port=port, ttl_s=ttl, heartbeat_interval_s=min(1.0, ttl / 3),
-                        replication_factor=replicas,
+                        replication_factor=replicas, scheduling=scheduling,
                         metrics_port=None if metrics_port < 0 else metrics_port).start()
 
 

@@ -59,9 +59,9 @@ class Service:
             stream.close()
 
 
-def start_master(port: int = 0, ttl: float = 1.0, replicas: int = 1) -> Service:
+def start_master(port: int = 0, ttl: float = 1.0, replicas: int = 1, extra: tuple[str, ...] = ()) -> Service:
     return Service(["master", "--port", str(port), "--metrics-port", "0", "--ttl", str(ttl),
-                    "--replicas", str(replicas)])
+                    "--replicas", str(replicas), *extra])
 
 
 def start_node(master: str, data_dir: Path, dram: str = "32MiB", ssd: str = "64MiB", max_block: str = "4MiB") -> Service:

@@ -12,9 +12,18 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_UNSPECIFIED: _ClassVar[Tier]
     DRAM: _ClassVar[Tier]
     SSD: _ClassVar[Tier]
+
+class EngineRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[EngineRole]
+    PREFILL: _ClassVar[EngineRole]
+    DECODE: _ClassVar[EngineRole]
 TIER_UNSPECIFIED: Tier
 DRAM: Tier
 SSD: Tier
+ROLE_UNSPECIFIED: EngineRole
+PREFILL: EngineRole
+DECODE: EngineRole
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "host", "machine_id", "data_address", "unix_socket", "shm_arena", "metrics_address")
@@ -246,3 +255,105 @@ class ListKeysReply(_message.Message):
     keys: _containers.RepeatedCompositeFieldContainer[KeyEntry]
     namespaces: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, keys: _Optional[_Iterable[_Union[KeyEntry, _Mapping]]] = ..., namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EngineRegistration(_message.Message):
+    __slots__ = ("namespace", "engine_id", "role", "node_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    engine_id: str
+    role: EngineRole
+    node_id: str
+    def __init__(self, namespace: _Optional[str] = ..., engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class EngineRegistered(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("namespace", "engine_id", "queue_length", "busy_s", "running_batch", "context_tokens")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_BATCH_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    engine_id: str
+    queue_length: int
+    busy_s: float
+    running_batch: int
+    context_tokens: int
+    def __init__(self, namespace: _Optional[str] = ..., engine_id: _Optional[str] = ..., queue_length: _Optional[int] = ..., busy_s: _Optional[float] = ..., running_batch: _Optional[int] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+
+class ScheduleRequest(_message.Message):
+    __slots__ = ("namespace", "request_id", "digests", "input_length", "output_length")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    request_id: str
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    input_length: int
+    output_length: int
+    def __init__(self, namespace: _Optional[str] = ..., request_id: _Optional[str] = ..., digests: _Optional[_Iterable[bytes]] = ..., input_length: _Optional[int] = ..., output_length: _Optional[int] = ...) -> None: ...
+
+class ScheduleReply(_message.Message):
+    __slots__ = ("request_id", "prefill_engine", "prefill_node", "decode_engine", "prefix_blocks", "prefix_tokens", "fetch_from_node", "fetch_blocks", "estimated_ttft_s", "estimated_tbt_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FROM_NODE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_TBT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prefill_engine: str
+    prefill_node: str
+    decode_engine: str
+    prefix_blocks: int
+    prefix_tokens: int
+    fetch_from_node: str
+    fetch_blocks: int
+    estimated_ttft_s: float
+    estimated_tbt_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prefill_engine: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_engine: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., fetch_from_node: _Optional[str] = ..., fetch_blocks: _Optional[int] = ..., estimated_ttft_s: _Optional[float] = ..., estimated_tbt_s: _Optional[float] = ...) -> None: ...
+
+class RequestEvent(_message.Message):
+    __slots__ = ("namespace", "request_id", "stage")
+    class Stage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STAGE_UNSPECIFIED: _ClassVar[RequestEvent.Stage]
+        PREFILL_STARTED: _ClassVar[RequestEvent.Stage]
+        PREFILL_FINISHED: _ClassVar[RequestEvent.Stage]
+        DECODE_FINISHED: _ClassVar[RequestEvent.Stage]
+        CANCELLED: _ClassVar[RequestEvent.Stage]
+    STAGE_UNSPECIFIED: RequestEvent.Stage
+    PREFILL_STARTED: RequestEvent.Stage
+    PREFILL_FINISHED: RequestEvent.Stage
+    DECODE_FINISHED: RequestEvent.Stage
+    CANCELLED: RequestEvent.Stage
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    request_id: str
+    stage: RequestEvent.Stage
+    def __init__(self, namespace: _Optional[str] = ..., request_id: _Optional[str] = ..., stage: _Optional[_Union[RequestEvent.Stage, str]] = ...) -> None: ...
+
+class RequestEventReply(_message.Message):
+    __slots__ = ("decode_engine", "rejected", "reason")
+    DECODE_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    decode_engine: str
+    rejected: bool
+    reason: str
+    def __init__(self, decode_engine: _Optional[str] = ..., rejected: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -396,3 +396,204 @@ class Master:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ConductorStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RegisterEngine = channel.unary_unary(
+                '/kvstore.v1.Conductor/RegisterEngine',
+                request_serializer=kvstore__pb2.EngineRegistration.SerializeToString,
+                response_deserializer=kvstore__pb2.EngineRegistered.FromString,
+                _registered_method=True)
+        self.ReportEngineLoad = channel.unary_unary(
+                '/kvstore.v1.Conductor/ReportEngineLoad',
+                request_serializer=kvstore__pb2.EngineLoad.SerializeToString,
+                response_deserializer=kvstore__pb2.EngineRegistered.FromString,
+                _registered_method=True)
+        self.Schedule = channel.unary_unary(
+                '/kvstore.v1.Conductor/Schedule',
+                request_serializer=kvstore__pb2.ScheduleRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.ScheduleReply.FromString,
+                _registered_method=True)
+        self.ReportRequest = channel.unary_unary(
+                '/kvstore.v1.Conductor/ReportRequest',
+                request_serializer=kvstore__pb2.RequestEvent.SerializeToString,
+                response_deserializer=kvstore__pb2.RequestEventReply.FromString,
+                _registered_method=True)
+
+
+class ConductorServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def RegisterEngine(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportEngineLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Schedule(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportRequest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ConductorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RegisterEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterEngine,
+                    request_deserializer=kvstore__pb2.EngineRegistration.FromString,
+                    response_serializer=kvstore__pb2.EngineRegistered.SerializeToString,
+            ),
+            'ReportEngineLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEngineLoad,
+                    request_deserializer=kvstore__pb2.EngineLoad.FromString,
+                    response_serializer=kvstore__pb2.EngineRegistered.SerializeToString,
+            ),
+            'Schedule': grpc.unary_unary_rpc_method_handler(
+                    servicer.Schedule,
+                    request_deserializer=kvstore__pb2.ScheduleRequest.FromString,
+                    response_serializer=kvstore__pb2.ScheduleReply.SerializeToString,
+            ),
+            'ReportRequest': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRequest,
+                    request_deserializer=kvstore__pb2.RequestEvent.FromString,
+                    response_serializer=kvstore__pb2.RequestEventReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvstore.v1.Conductor', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvstore.v1.Conductor', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Conductor:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def RegisterEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Conductor/RegisterEngine',
+            kvstore__pb2.EngineRegistration.SerializeToString,
+            kvstore__pb2.EngineRegistered.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEngineLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Conductor/ReportEngineLoad',
+            kvstore__pb2.EngineLoad.SerializeToString,
+            kvstore__pb2.EngineRegistered.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Schedule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Conductor/Schedule',
+            kvstore__pb2.ScheduleRequest.SerializeToString,
+            kvstore__pb2.ScheduleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRequest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Conductor/ReportRequest',
+            kvstore__pb2.RequestEvent.SerializeToString,
+            kvstore__pb2.RequestEventReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

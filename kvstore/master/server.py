@@ -26,9 +26,11 @@ from typing import Callable
 
 import grpc
 
+from kvstore.master.conductor_service import ConductorServicer, SchedulingOptions
 from kvstore.master.index import PrefixIndex
 from kvstore.master.membership import Membership
 from kvstore.master.placement import Placement
+from kvstore.master.replicator import Replicator
 from kvstore.master.service import MasterServicer
 from kvstore.metrics import MetricsServer, Sample
 from kvstore_client.errors import ConfigError
@@ -48,7 +50,7 @@ class MasterServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl_s: float = DEFAULT_TTL_S,
                  heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S, replication_factor: int = 1,
                  metrics_port: int | None = None, max_workers: int = 8,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, scheduling: SchedulingOptions | None = None):
         if not 0 < heartbeat_interval_s < ttl_s:
             raise ConfigError(f"need 0 < heartbeat_interval_s < ttl_s, got {heartbeat_interval_s} and {ttl_s}")
         self.host, self._port, self._metrics_port = host, port, metrics_port
@@ -56,6 +58,9 @@ class MasterServer:
         self.membership = Membership(self.index, ttl_s=ttl_s, clock=clock)
         self.placement = Placement(replication_factor)
         self.servicer = MasterServicer(self.membership, self.placement, heartbeat_interval_s)
+        self.replicator = Replicator(self._data_address)
+        self.conductor = ConductorServicer(self.index, self.replicator, scheduling or SchedulingOptions(),
+                                           self.servicer._count)
         self._max_workers = max_workers
         self._sweep_s = max(0.01, min(heartbeat_interval_s, ttl_s / 4))
         self._server: grpc.Server | None = None
@@ -72,6 +77,7 @@ class MasterServer:
                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         pb_grpc.add_MasterServicer_to_server(self.servicer, server)
+        pb_grpc.add_ConductorServicer_to_server(self.conductor, server)
         target = f"[{self.host}]:{self._port}" if ":" in self.host else f"{self.host}:{self._port}"
         try:
             bound = server.add_insecure_port(target)
@@ -104,6 +110,11 @@ class MasterServer:
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None
+        self.replicator.stop()
+
+    def _data_address(self, node_id: str) -> str | None:
+        state = self.membership.get(node_id)
+        return None if state is None else state.info.data_address
 
     def __enter__(self) -> MasterServer:
         return self.start()

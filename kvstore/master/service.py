@@ -37,7 +37,7 @@ from kvstore.master.membership import (
     check_node_id,
 )
 from kvstore.master.placement import Candidate, Placement
-from kvstore_client.errors import InvalidKey, KVStoreError, UnknownNamespace
+from kvstore_client.errors import InvalidKey, KVStoreError, Overloaded, UnknownNamespace
 from kvstore_client.keys import check_namespace
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
@@ -58,6 +58,8 @@ def status_for(error: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, UnknownNamespace):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(error, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(error, ValueError):  # other KVStoreError value errors: still the caller's input
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL

@@ -1,0 +1,72 @@
+"""The SDK side of the conductor: engines register, report load and ask where requests run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from kvstore_client.keys import BlockKey
+from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+
+ROLES = {"prefill": pb.PREFILL, "decode": pb.DECODE}
+STAGES = {
+    "prefill_started": pb.RequestEvent.PREFILL_STARTED,
+    "prefill_finished": pb.RequestEvent.PREFILL_FINISHED,
+    "decode_finished": pb.RequestEvent.DECODE_FINISHED,
+    "cancelled": pb.RequestEvent.CANCELLED,
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the conductor runs a request, and what it reuses.
+
+    ``fetch_blocks`` blocks are being copied from ``fetch_from_node`` to the
+    prefill engine's node; ``prefix_tokens`` of the input need no prefill.
+    """
+
+    request_id: str
+    prefill_engine: str
+    prefill_node: str
+    decode_engine: str
+    prefix_blocks: int
+    prefix_tokens: int
+    fetch_from_node: str
+    fetch_blocks: int
+    estimated_ttft_s: float
+    estimated_tbt_s: float
+
+
+class SchedulingCalls:
+    """Conductor RPCs over an existing master channel; ``call`` maps gRPC errors to typed ones."""
+
+    def __init__(self, channel: grpc.Channel, call):
+        self._stub = pb_grpc.ConductorStub(channel)
+        self._call = call
+
+    def register_engine(self, namespace: str, engine_id: str, role: str, node_id: str) -> None:
+        self._call(self._stub.RegisterEngine, pb.EngineRegistration(
+            namespace=namespace, engine_id=engine_id, role=ROLES[role], node_id=node_id))
+
+    def report_load(self, namespace: str, engine_id: str, *, queue_length: int = 0, busy_s: float = 0.0,
+                    running_batch: int = 0, context_tokens: int = 0) -> None:
+        self._call(self._stub.ReportEngineLoad, pb.EngineLoad(
+            namespace=namespace, engine_id=engine_id, queue_length=queue_length, busy_s=busy_s,
+            running_batch=running_batch, context_tokens=context_tokens))
+
+    def schedule(self, keys: list[BlockKey], input_length: int, output_length: int = 0,
+                 request_id: str = "", namespace: str | None = None) -> Placement:
+        if namespace is None:
+            if not keys:
+                raise ValueError("schedule needs block keys or a namespace")
+            namespace = keys[0][0]
+        reply = self._call(self._stub.Schedule, pb.ScheduleRequest(
+            namespace=namespace, request_id=request_id, digests=[k[1] for k in keys],
+            input_length=input_length, output_length=output_length))
+        return Placement(**{f: getattr(reply, f) for f in Placement.__dataclass_fields__})
+
+    def report_request(self, namespace: str, request_id: str, stage: str) -> pb.RequestEventReply:
+        return self._call(self._stub.ReportRequest, pb.RequestEvent(
+            namespace=namespace, request_id=request_id, stage=STAGES[stage]))
