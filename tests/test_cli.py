@@ -59,7 +59,7 @@ def test_up_serves_status_keys_and_stops_cleanly_on_sigterm(tmp_path):
     try:
         master = up.record["master"]
         keys = BlockHasher("cli-test", 4).keys(list(range(12)))
-        with Client(master) as client:
+        with Client(master, location_ttl=0) as client:  # exists() then reflects the master's index only
             client.batch_put(keys, [b"v" * 1000] * len(keys))
             wait_for(lambda: all(client.batch_exists(keys)))
         status = json.loads(kvstore("status", "--master", master, "--json").stdout)

@@ -92,3 +92,15 @@ def test_unreachable_master_is_service_unavailable():
     with Client("127.0.0.1:1", timeout=2) as client:
         with pytest.raises(ServiceUnavailable):
             client.get(("m", b"k" * 16))
+
+
+def test_torch_cpu_tensors_in_and_out(client):
+    torch = pytest.importorskip("torch")
+    ns = f"torch-{client.prefer_shm}"
+    kv = torch.arange(4096, dtype=torch.bfloat16).reshape(2, 2048)
+    client.put((ns, b"t" * 16), kv)
+    out = torch.empty_like(kv)
+    assert client.get_into((ns, b"t" * 16), out) == kv.numel() * kv.element_size()
+    assert torch.equal(out, kv)
+    with pytest.raises(InvalidValue):
+        client.put((ns, b"u" * 16), kv.t())  # not contiguous

@@ -123,7 +123,7 @@ def test_master_restart_rebuilds_the_index(tmp_path):
     try:
         keys = keys_of(30)
         values = [value_for(k, 10 * KiB) for k in keys]
-        with Client(address, prefer_shm=False) as client:
+        with Client(address, prefer_shm=False, location_ttl=0) as client:
             wait_for(lambda: len(node_ids(client)) == 2)
             client.batch_put(keys, values)
             wait_for(lambda: all(client.batch_exists(keys)))
