@@ -19,7 +19,7 @@ import numpy as np
 
 from kvstore.node.config import StoreConfig
 from kvstore.node.store import BlockStore
-from kvstore.units import format_size, parse_size
+from kvstore.units import parse_size
 from bench.common import emit, markdown_table, median_rate
 
 SIZES = ["64KiB", "1MiB", "4MiB"]

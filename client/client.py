@@ -67,7 +67,6 @@ class Client:
         self._lock = threading.Lock()  # guards _nodes, _placements and _all_connections
         self._local = threading.local()
         self._all_connections: list = []
-        self._closed = False
         self.scheduling = SchedulingCalls(self._channel, self._call)
 
     # -- writes -------------------------------------------------------------------------

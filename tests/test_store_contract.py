@@ -16,7 +16,6 @@ from kvstore_client.errors import (
 )
 from kvstore_client.hashing import BlockHasher
 from kvstore.node.config import StoreConfig
-from kvstore.node.store import BlockStore
 from tests.conftest import KiB, value_for
 
 
