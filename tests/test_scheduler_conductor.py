@@ -168,6 +168,24 @@ def test_predictor_survival_model():
     assert p.tokens_at(5.0, now=4.5) == 500 + 1000  # "a" has survived 4.5 s: it lasts 8 s
 
 
+def test_predictor_counts_running_decodes_as_censored():
+    """Only short decodes have finished, two have run 10 s and still go on: finished times alone say no
+    decode outlasts 2 s; with the running ones as censored observations (Kaplan-Meier, at risk at 2 s: 5,
+    3 die) a decode outlasts 2 s, and so 5 s, with probability 2/5."""
+    p = DecodeLoadPredictor(tbt_slo=0.1)
+    for i in range(3):
+        p.decoding(i, 1, now=0.0)
+        p.finished(i, now=2.0)
+    p.decoding("long0", 1000, now=0.0)
+    p.decoding("long1", 1000, now=0.0)
+    p.admitted("b", 500, predicted_decode_start=11.0)
+    assert p.tokens_at(16.0, now=10.0) == pytest.approx(2000 + 500 * 2 / 5)  # "long*" outlived every death
+    assert p.tokens_at(10.5, now=10.0) == pytest.approx(2000)                 # "b" not in decode yet
+    p.finished("long0", now=12.0)
+    p.finished("long1", now=12.0)
+    assert p.tokens_at(13.0, now=12.0) == pytest.approx(500 * 2 / 5)  # S(2) = 2/5 from 3 x 2 s, 2 x 12 s
+
+
 def test_no_instances_and_bad_modes():
     c = Conductor(PrefixIndex(), COST, namespace=NS, clock=SimClock())
     r = c.schedule(KEYS, 100, 1, now=0.0)

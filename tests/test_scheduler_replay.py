@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -70,6 +71,30 @@ def test_overload_rejections_and_wasted_prefill():
     for r in runs.values():
         assert r["served"] + r["rejected"] == len(TRACE)
         assert r["decode_load_series"] and r["decode_load_std"] >= 0 and r["decode_load_mean_abs_change"] >= 0
+
+
+def test_arrival_jitter_is_seeded_and_keeps_every_request():
+    plain = replay.to_sim_requests(TRACE, 2.0)
+    assert [r.arrival for r in replay.to_sim_requests(TRACE, 2.0, jitter_s=0.0, seed=5)] == [r.arrival for r in plain]
+    a, b, c = (replay.to_sim_requests(TRACE, 2.0, jitter_s=1.0, seed=s) for s in (0, 0, 1))
+    assert [r.arrival for r in a] == [r.arrival for r in b] != [r.arrival for r in c]
+    assert sorted(r.rid for r in a) == list(range(len(TRACE)))
+    assert all(x.arrival <= y.arrival for x, y in itertools.pairwise(a))
+    shift = {r.rid: r.arrival for r in a}
+    assert all(0 <= shift[r.rid] - r.arrival < 1.0 for r in plain)
+
+
+def test_admission_table_once_per_seed(capsys, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in TRACE))
+    opts = {k: str(v) for k, v in OVERLOAD.items()}
+    replay.main(["--trace", str(path), "--table", "admission", "--seeds", "0,1", "--jitter-s", "0.5",
+                 "--prefill", opts["prefill"], "--decode", opts["decode"], "--speed", opts["speed"],
+                 "--decode-kv-tokens", opts["decode_kv_tokens"], "--ttft-slo", opts["ttft_slo"], "--json"])
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert set(runs) == {f"{a} seed={s}" for a in ("none", "early", "prediction") for s in (0, 1)}
+    for r in runs.values():
+        assert r["served"] + r["rejected"] == len(TRACE) and r["served_decode_gtoken_steps"] > 0
 
 
 def test_cli_json_and_tables(tmp_path, capsys):
