@@ -57,3 +57,16 @@ def test_arena_of_a_killed_process_is_reaped():
     finally:
         proc.kill()
         proc.stdout.close()
+
+
+def test_arena_larger_than_shared_memory_is_a_clear_error():
+    import pytest
+
+    from kvstore_client.errors import ConfigError
+
+    stat = os.statvfs(shm_dir())
+    too_big = stat.f_bavail * stat.f_frsize + (1 << 30)
+    before = set(os.listdir(shm_dir()))
+    with pytest.raises(ConfigError, match="shared memory"):
+        SharedArena.create(too_big)
+    assert set(os.listdir(shm_dir())) <= before  # nothing left behind

@@ -53,6 +53,7 @@ class SharedArena:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
+            _reserve(fd, size, path)
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
             mm = mmap.mmap(fd, size, flags=flags)
         except BaseException:
@@ -86,6 +87,19 @@ class SharedArena:
         self._mmap = None
         if self._unlink_at_exit is not None:
             self._unlink_at_exit()
+
+
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Back the whole arena with memory now, so a full /dev/shm is a clear error at
+    start-up rather than a SIGBUS on some later write."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        free = os.statvfs(os.path.dirname(path))
+        raise ConfigError(
+            f"cannot reserve {size} bytes of shared memory in {os.path.dirname(path)} "
+            f"({free.f_bavail * free.f_frsize} free): {exc.strerror}; lower the DRAM tier or enlarge the tmpfs "
+            "(docker: --shm-size)") from None
 
 
 def _unlink(path: str) -> None:
