@@ -43,6 +43,7 @@ from kvstore_client.errors import (
     ProtocolError,
     TransportError,
 )
+from kvstore_client.hostid import machine_id
 from kvstore_client.keys import BlockKey, check_key
 from kvstore_client.transport import KEYS_PER_FRAME, DataPlaneConnection, _connect, _raise_first, _split
 from kvstore_client.wire import (
@@ -55,7 +56,6 @@ from kvstore_client.wire import (
     Status,
     error_for,
     key_entry,
-    local_machine_id,
     reserve_entry,
 )
 
@@ -117,7 +117,7 @@ class ShmConnection(DataPlaneConnection):
 
     def _map_arena(self, arena_name: str | None) -> memoryview:
         info = self._info
-        if info.get("machine_id") != local_machine_id():
+        if info.get("machine_id") != machine_id():
             raise TransportError(f"node at {self.target} runs on another host: use TcpConnection")
         name = os.path.basename(arena_name or info["arena"])
         if name != info["arena"]:

@@ -311,16 +311,3 @@ def send_buffers(sock, buffers: list) -> None:
                 sent = 0
         while i < n and not views[i].nbytes:
             i += 1
-
-
-def local_machine_id() -> str:
-    """This host's identity, to tell whether a node shares our memory."""
-    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
-        try:
-            with open(path) as f:
-                value = f.read().strip()
-            if value:
-                return value
-        except OSError:
-            pass
-    return socket.gethostname()

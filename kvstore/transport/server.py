@@ -25,7 +25,8 @@ import threading
 import time
 
 from kvstore_client.errors import ConfigError
-from kvstore_client.wire import MAX_ITEMS, VERSION, local_machine_id
+from kvstore_client.hostid import machine_id as this_machine_id
+from kvstore_client.wire import MAX_ITEMS, VERSION
 from kvstore.node.store import BlockStore
 from kvstore.transport.connection import Connection
 
@@ -56,7 +57,7 @@ class DataPlaneServer:
         self.host, self.port = host, port
         self.unix_path = unix_path
         self.node_id = node_id
-        self.machine_id = machine_id or local_machine_id()
+        self.machine_id = machine_id or this_machine_id()
         self.max_frame_bytes = max_frame_bytes
         self.lease_ttl = lease_ttl
         self._stopped = threading.Event()  # wakes the lease reaper
