@@ -48,15 +48,21 @@ class Client:
     ``prefer_shm``: use shared memory with nodes on this host. ``location_ttl``:
     seconds a block location stays cached. ``replicas``: copies per put
     (0 = the master's replication factor). ``verify``: check block checksums
-    on every read (cheap: XXH3-64).
+    on every read (cheap: XXH3-64). ``data_path``: force "tcp", "unix" or
+    "shm" (default None: shared memory on this host when ``prefer_shm``, else
+    the Unix socket, TCP to other hosts).
     """
 
     def __init__(self, master: str, *, prefer_shm: bool = True, location_ttl: float = 2.0,
-                 placement_ttl: float = 1.0, replicas: int = 0, verify: bool = True, timeout: float = 10.0):
+                 placement_ttl: float = 1.0, replicas: int = 0, verify: bool = True, timeout: float = 10.0,
+                 data_path: str | None = None):
         self.master = master
         self.prefer_shm = prefer_shm
         self.replicas = replicas
         self.verify = verify
+        if data_path not in (None, "shm", "unix", "tcp"):
+            raise ValueError(f"data_path must be 'shm', 'unix', 'tcp' or None, got {data_path!r}")
+        self.data_path = data_path
         self.timeout = timeout
         self._channel = grpc.insecure_channel(master, options=GRPC_OPTIONS)
         self._stub = pb_grpc.MasterStub(self._channel)
@@ -310,7 +316,7 @@ class Client:
         conns = self._local.__dict__.setdefault("conns", {})
         conn = conns.get(node.node_id)
         if conn is None:
-            conn = open_connection(node, prefer_shm=self.prefer_shm, verify=self.verify)
+            conn = open_connection(node, prefer_shm=self.prefer_shm, verify=self.verify, data_path=self.data_path)
             conns[node.node_id] = conn
             with self._lock:
                 self._all_connections.append(conn)

@@ -10,15 +10,26 @@ from kvstore_client.hostid import machine_id
 log = logging.getLogger(__name__)
 
 
-def open_connection(node, *, prefer_shm: bool = True, verify: bool = True):
+DATA_PATHS = ("shm", "unix", "tcp")
+
+
+def open_connection(node, *, prefer_shm: bool = True, verify: bool = True, data_path: str | None = None):
     """A data-plane connection to ``node`` (a NodeInfo).
 
     Same machine and the node's arena and Unix socket visible here: shared
     memory (copies straight from and into the node's DRAM arena). Same machine
-    otherwise: the Unix socket. Anywhere else: TCP.
+    otherwise: the Unix socket. Anywhere else: TCP. ``data_path`` "tcp" always
+    uses TCP, "unix" the Unix socket when the node is on this host (else TCP),
+    "shm" the default choice; None: the default choice, with ``prefer_shm``.
     """
     from kvstore_client import transport
 
+    if data_path is not None and data_path not in DATA_PATHS:
+        raise ValueError(f"data_path must be one of {DATA_PATHS} or None, got {data_path!r}")
+    if data_path == "tcp":
+        return transport.TcpConnection(node.data_address, verify=verify)
+    if data_path is not None:
+        prefer_shm = data_path == "shm"
     same_host = node.machine_id == machine_id() and node.unix_socket and os.path.exists(node.unix_socket)
     if same_host and prefer_shm and node.shm_arena:
         try:

@@ -238,26 +238,41 @@ def keys(master_address, namespace, limit, as_json) -> None:
 
 
 @main.command()
-@click.option("--master", "master_address", default=None, help="Benchmark this pool (default: start an embedded one).")
+@click.option("--master", "master_address", default=None,
+              help="Benchmark this pool (default: start one, master and node in a process of their own).")
 @click.option("--sizes", default="64KiB,1MiB,4MiB", show_default=True, help="Comma-separated value sizes.")
-@click.option("--ops", default=",".join(("put", "get_into", "batch_put", "batch_get_into")), show_default=True)
-@click.option("--bytes", "count_bytes", type=SIZE, default="256MiB", show_default=True, help="Data moved per op and size.")
-@click.option("--batch", type=int, default=64, show_default=True, help="Blocks per batch call.")
-@click.option("--transport", type=click.Choice(["tcp", "shm"]), default="shm", show_default=True)
-@click.option("--dram", type=SIZE, default="2GiB", show_default=True, help="DRAM of the embedded pool's node.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON records.")
-def bench(master_address, sizes, ops, count_bytes, batch, transport, dram, as_json) -> None:
-    """Measure put/get throughput and latency of a pool through the SDK."""
-    from kvstore.benchmark import run
+@click.option("--ops", default="put,get,get_into,batch_put,batch_get,batch_get_into", show_default=True)
+@click.option("--transports", default="tcp,shm", show_default=True, help="Data paths: tcp, shm.")
+@click.option("--clients", default="1,4", show_default=True, help="Client process counts, e.g. 1,2,4.")
+@click.option("--bytes", "bytes_per_client", type=SIZE, default="64MiB", show_default=True,
+              help="Working set of each client at each size.")
+@click.option("--batch", type=int, default=64, show_default=True, help="Blocks per batch call and Redis pipeline.")
+@click.option("--rounds", type=int, default=5, show_default=True, help="Interleaved rounds (figures are medians).")
+@click.option("--dram", type=SIZE, default=None, help="DRAM of the pool started here (default: twice the working set).")
+@click.option("--no-redis", is_flag=True, help="Skip the Redis baselines (redis-py and redis-benchmark).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: one record per (size, op, transport, clients).")
+@click.option("--plot", "plot_path", default=None, metavar="FILE", help="Write a PNG of GB/s against value size.")
+def bench(master_address, sizes, ops, transports, clients, bytes_per_client, batch, rounds, dram, no_redis, quiet,
+          as_json, plot_path) -> None:
+    """Throughput and latency through the SDK next to memcpy, a raw socket and Redis."""
+    from kvstore.benchmark import OPS, TRANSPORTS, Settings, emit, run
 
-    results = run(master_address, [parse_size(s) for s in sizes.split(",")], ops.split(","), count_bytes, batch,
-                  transport, dram)
-    if as_json:
-        click.echo(json.dumps(results, indent=2))
-        return
-    click.echo(f"{'op':<16}{'size':>10}{'GB/s':>9}{'ops/s':>12}{'p50 ms':>9}{'p99 ms':>9}")
-    for r in results:
-        click.echo(f"{r['op']:<16}{r['size']:>10}{r['gbps']:>9}{r['ops_per_s']:>12}{r['p50_ms']:>9}{r['p99_ms']:>9}")
+    def items(text, allowed=None):
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in out if allowed is not None and x not in allowed]
+        if bad:
+            raise click.BadParameter(f"unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
+        return out
+
+    try:
+        settings = Settings(sizes=[parse_size(s) for s in items(sizes)], ops=items(ops, OPS),
+                            transports=items(transports, TRANSPORTS), clients=[int(c) for c in items(clients)],
+                            bytes_per_client=bytes_per_client, batch=batch, rounds=rounds, master=master_address,
+                            dram=dram, redis=not no_redis, progress=not quiet)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    emit(run(settings), as_json, plot_path, echo=click.echo)
 
 
 def connect(master_address: str):

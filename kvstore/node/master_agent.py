@@ -93,7 +93,7 @@ class MasterAgent:
                 continue
             self._stop.wait(self._flush_interval)
         try:
-            self._flush()
+            self._flush(drain=True)
         except grpc.RpcError:
             pass
 
@@ -116,13 +116,22 @@ class MasterAgent:
         if not reply.known:
             self._registered = False
 
-    def _flush(self) -> None:
+    def _flush(self, drain: bool = False) -> None:
+        """Report queued events: full batches at once, a partial one only every flush interval.
+
+        Events that arrive while a report is in flight wait for the next interval
+        (unless ``drain``): looping until the queue is empty would, under a steady
+        put load, send a report every few events and cost the master and this
+        node a gRPC call per put or so.
+        """
         while self._events and self._registered:
             batch = []
             while self._events and len(batch) < self._max_batch:
                 batch.append(self._events.popleft())
             if not self._stub.ReportBlocks(self._report(batch, full_inventory=False), timeout=10).known:
                 self._registered = False  # the next registration resends everything
+            if len(batch) < self._max_batch and not drain:
+                return
 
     def _report(self, events: list, full_inventory: bool) -> pb.BlockReport:
         by_namespace: dict[str, list] = {}
