@@ -1,0 +1,77 @@
+"""The pool under test (a master and one storage node) and the helper processes the benchmark starts."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from contextlib import contextmanager
+
+
+def _start_master_and_node(config, data_dir: str):
+    """A master on a free loopback port and a node registered with it (or 10 s spent waiting)."""
+    from kvstore.master.server import MasterServer
+    from kvstore.node.daemon import NodeOptions, StorageNode
+
+    master = MasterServer(host="127.0.0.1", port=0, ttl_s=5.0, heartbeat_interval_s=0.5).start()
+    node = StorageNode(config, NodeOptions(master=master.address, port=0, data_dir=data_dir)).start()
+    deadline = time.monotonic() + 10
+    while not node.agent.registered and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return master, node
+
+
+@contextmanager
+def embedded_pool(dram: int):
+    """A master and one storage node in this process, on free loopback ports (for tests and
+    examples; the benchmark runs its pool in a process of its own, see ``serve_pool``)."""
+    from kvstore.node.config import StoreConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = StoreConfig(dram_capacity=dram, max_block_bytes=min(dram, 64 << 20))
+        master, node = _start_master_and_node(config, tmp)
+        try:
+            yield master.address
+        finally:
+            node.stop()
+            master.stop()
+
+
+def serve_pool(conn, dram: int, max_block: int) -> None:
+    """A master and one node (DRAM only, prefaulted) until ``conn`` closes. Runs in its own process."""
+    from kvstore.node.config import StoreConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = StoreConfig(dram_capacity=dram, max_block_bytes=max_block, prefault=True)
+        master, node = _start_master_and_node(config, tmp)
+        conn.send({"master": master.address})
+        try:
+            conn.recv()
+        except EOFError:
+            pass
+        node.stop()
+        master.stop()
+
+
+class HelperProcess:
+    """A spawned helper process that sends one message when ready and runs until ``close``."""
+
+    def __init__(self, ctx, target, *args):
+        self._conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child_conn, *args), daemon=True)
+        self.proc.start()
+        child_conn.close()
+        if not self._conn.poll(120):
+            self.close()
+            raise RuntimeError(f"{target.__name__} did not start")
+        self.info = self._conn.recv()
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self._conn.close()
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()

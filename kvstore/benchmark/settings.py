@@ -1,0 +1,39 @@
+"""What ``kvstore bench`` measures: the ops, the transports, the settings of a run, the baseline of each op."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+OPS = ("put", "get", "get_into", "batch_put", "batch_get", "batch_get_into")
+TRANSPORTS = ("tcp", "shm")
+MiB = 1 << 20
+
+BASELINES = {  # op -> (redis-py measure, redis-benchmark test, batch?, raw socket measure)
+    "put": ("redis:set", "set", False, "socket:put"),
+    "batch_put": ("redis:pipe_set", "set", True, "socket:put"),
+    "get": ("redis:get", "get", False, "socket:get"),
+    "get_into": ("redis:get", "get", False, "socket:get"),
+    "batch_get": ("redis:pipe_get", "get", True, "socket:get"),
+    "batch_get_into": ("redis:pipe_get", "get", True, "socket:get"),
+}
+
+
+@dataclass
+class Settings:
+    sizes: list[int]
+    ops: list[str] = field(default_factory=lambda: list(OPS))
+    transports: list[str] = field(default_factory=lambda: list(TRANSPORTS))
+    clients: list[int] = field(default_factory=lambda: [1, 4])
+    bytes_per_client: int = 64 * MiB  # working set of each client at each size
+    batch: int = 64
+    rounds: int = 5
+    master: str | None = None
+    dram: int | None = None  # of the pool started here; None: enough for the working set, twice
+    redis: bool = True
+    redis_server: str = "redis-server"
+    redis_benchmark: str = "redis-benchmark"
+    progress: bool = True
+
+    def count(self, size: int) -> int:
+        """Blocks per client at ``size``: the working set, at least one batch."""
+        return max(self.bytes_per_client // size, self.batch)
