@@ -42,7 +42,3 @@ class LocationCache:
         with self._lock:
             for key in keys:
                 self._cache.pop(key, None)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._cache.clear()
