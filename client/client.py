@@ -131,10 +131,18 @@ class Client:
         return self._read([check_key(k) for k in keys], [byte_view(b, writable=True) for b in buffers])
 
     def _read(self, keys: list[BlockKey], buffers: list | None) -> list:
-        """Read each key from its best replica, falling back to the next on a miss or a dead node."""
+        """Read each key from this host's nodes' block directories if they have it (no round
+        trip, not even to the master), else from its best replica, falling back to the next
+        on a miss or a dead node."""
         results: list = [None] * len(keys)
-        candidates = [list(self._order(r)) for r in self._locate(keys)]
-        pending = [i for i in range(len(keys)) if candidates[i]]
+        todo = self._read_local(keys, buffers, results)
+        if not todo:
+            return results
+        located = self._locate([keys[i] for i in todo])
+        candidates: list = [[] for _ in keys]
+        for i, replicas in zip(todo, located):
+            candidates[i] = self._order(replicas)
+        pending = [i for i in todo if candidates[i]]
         while pending:
             by_node: dict[str, list[int]] = {}
             for i in pending:
@@ -151,6 +159,20 @@ class Client:
                 self._locations.forget(keys[i] for i, v in zip(idx, got) if v is None)
             pending = retry
         return results
+
+    def _read_local(self, keys: list[BlockKey], buffers: list | None, results: list) -> list[int]:
+        """Serve what this thread's same-host connections can read one-sidedly into ``results``;
+        the indices left to read the usual way."""
+        todo = list(range(len(keys)))
+        for conn in list(self._local.__dict__.get("conns", {}).values()):
+            if not todo:
+                break
+            if getattr(conn, "one_sided", False):
+                got = conn.read_direct([keys[i] for i in todo], None if buffers is None else [buffers[i] for i in todo])
+                for i, value in zip(todo, got):
+                    results[i] = value
+                todo = [i for i, value in zip(todo, got) if value is None]
+        return todo
 
     def _read_from(self, node_id: str, keys: list[BlockKey], buffers: list | None) -> list:
         node = self._nodes.get(node_id)

@@ -3,7 +3,15 @@
     ShmConnection("/run/kvstore.sock")   the node's Unix socket (or "host:port") carries
                                          only small control frames
 
-Reads: LEASE (the node pins the blocks in place and says where they are in
+Reads, fast path: look the key up in the node's block directory (a second
+shared-memory file, ``kvstore_client.directory``), copy the block out of the
+arena and validate the copy (the directory slot unchanged, and the XXH3-64
+when verifying): no round trip at all. Such reads are reported to the node in
+batches (TOUCH frames, with the next request or every ``TOUCH_BATCH`` reads
+or ``TOUCH_DELAY`` seconds) so they count as hits for eviction.
+
+Reads otherwise (a block not in the directory, a copy that failed
+validation): LEASE (the node pins the blocks in place and says where they are in
 its arena), copy into the caller's buffer, verify the XXH3-64. The lease is
 not released by a frame of its own: its id rides along with the
 connection's next request (a RELEASE frame sent in the same ``sendall``),
@@ -27,6 +35,7 @@ A connection is NOT thread-safe: one per thread. Frames: ``proto/dataplane.md``.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -35,10 +44,12 @@ import time
 import xxhash
 
 from kvstore_client.buffers import byte_view
+from kvstore_client.directory import ONE_SIDED_READS, DirectoryReader
 from kvstore_client.errors import (
     BufferTooSmall,
     ChecksumMismatch,
     ConfigError,
+    InvalidValue,
     KVStoreError,
     ProtocolError,
     TransportError,
@@ -58,6 +69,10 @@ from kvstore_client.wire import (
     key_entry,
     reserve_entry,
 )
+
+log = logging.getLogger(__name__)
+TOUCH_BATCH = 64  # one-sided reads reported to the node in one TOUCH frame
+TOUCH_DELAY = 0.25  # seconds a one-sided read waits, at most, to be reported (checked on the next read)
 
 _checksum = xxhash.xxh3_64_intdigest
 _LEASE, _OK, _NOT_FOUND = int(Op.LEASE), int(Status.OK), int(Status.NOT_FOUND)
@@ -104,13 +119,17 @@ class ShmConnection(DataPlaneConnection):
     """
 
     def __init__(self, target: str, arena_name: str | None = None, *, verify: bool = True,
-                 timeout: float | None = None):
+                 timeout: float | None = None, one_sided: bool = True):
         self.target = target
         super().__init__(_connect(target, timeout), verify=verify)
         ttl = self._info.get("lease_ttl")
         self.lease_ttl: float | None = None if ttl is None else float(ttl)  # the node's, from INFO
+        self._directory: DirectoryReader | None = None
+        self._touch_due = _NEVER  # when the oldest unreported one-sided read must be reported
         try:
             self._mem = self._map_arena(arena_name)
+            if one_sided and ONE_SIDED_READS:
+                self._directory = self._map_directory()
         except BaseException:
             self.close()
             raise
@@ -133,17 +152,124 @@ class ShmConnection(DataPlaneConnection):
             os.close(fd)
         return memoryview(self._mmap)
 
+    def _map_directory(self) -> DirectoryReader | None:
+        """The node's block directory, or None (an older node, or one without a directory)."""
+        name = self._info.get("directory")
+        if not name:
+            return None
+        path = os.path.join(os.path.dirname(self._info["arena_path"]), os.path.basename(name))
+        try:
+            return DirectoryReader(path, len(self._mem))
+        except (OSError, ValueError) as exc:
+            log.info("not reading the block directory of %s (%s): every read takes a lease", self.target, exc)
+            return None
+
+    @property
+    def one_sided(self) -> bool:
+        """Whether reads try the node's block directory first (no round trip)."""
+        return self._directory is not None
+
+    # -- one-sided reads -----------------------------------------------------------------------
+    def _find(self, key: BlockKey) -> tuple | None:
+        """The key's directory entry (position, seq, offset, size, checksum) while the node is alive."""
+        directory = self._directory
+        if directory is None or not directory.alive():
+            return None
+        found = directory.find(key)
+        if found is None or found[2] + found[3] > len(self._mem):
+            return None
+        return found
+
+    def _valid(self, key: BlockKey, found: tuple, copy) -> bool:
+        """Whether ``copy`` (of ``found``'s bytes) is the block: the slot did not change meanwhile
+        and, when verifying, the checksum matches. Counts the read as a hit when it is."""
+        if not self._directory.unchanged(found[0], found[1]) or (self.verify and _checksum(copy) != found[4]):
+            return False
+        self._touched.append(key_entry(key))
+        if len(self._touched) == 1:
+            self._touch_due = _monotonic() + TOUCH_DELAY
+        elif len(self._touched) >= TOUCH_BATCH or _monotonic() >= self._touch_due:
+            self._report_touches()
+        return True
+
+    def _read_direct(self, key: BlockKey, view: memoryview) -> int | None:
+        """Copy the block into ``view`` without asking the node; its size, or None when
+        that did not work (not in the directory, too big for ``view``, or changed meanwhile)."""
+        found = self._find(key)
+        if found is None or found[3] > len(view):
+            return None
+        offset, size = found[2], found[3]
+        out = view if size == len(view) else view[:size]
+        out[:] = self._mem[offset : offset + size]
+        return size if self._valid(key, found, out) else None
+
+    def _get_direct(self, key: BlockKey) -> bytes | None:
+        """The block's bytes without asking the node, or None when that did not work."""
+        found = self._find(key)
+        if found is None:
+            return None
+        data = bytes(self._mem[found[2] : found[2] + found[3]])
+        return data if self._valid(key, found, data) else None
+
+    def _report_touches(self) -> None:
+        """Send the pending TOUCH (and RELEASE) frames now, without waiting for anything.
+        A failure closes the connection (its next request raises); the read that got here stands."""
+        if self._dead is None:
+            try:
+                with self._stream():
+                    self._sock.sendall(self._lead_frames())
+            except TransportError:
+                pass
+
+    def read_direct(self, keys: list, views: list | None = None) -> list:
+        """One-sided reads only, of checked keys: each block's bytes (or, with ``views``, its size
+        once copied into ``views[j]``); None where that did not work, which is NOT a miss: the
+        block may still be on SSD, outside the directory or changing. Never asks the node."""
+        if self._directory is None:
+            return [None] * len(keys)
+        if views is None:
+            return [self._get_direct(key) for key in keys]
+        return [self._read_direct(key, view) for key, view in zip(keys, views)]
+
     # -- reads -----------------------------------------------------------------------------
+    def get_many(self, keys) -> list[bytes | None]:
+        keys = [check_key(k) for k in keys]
+        out = self.read_direct(keys)
+        rest = [j for j, data in enumerate(out) if data is None]
+        if rest:
+            for j, data in zip(rest, super().get_many([keys[j] for j in rest])):
+                out[j] = data
+        return out
+
+    def get_into_many(self, keys, buffers) -> list[int | None]:
+        if self._directory is None:
+            return super().get_into_many(keys, buffers)
+        keys = [check_key(k) for k in keys]
+        views = [byte_view(b, writable=True) for b in buffers]
+        if len(views) != len(keys):
+            raise InvalidValue(f"{len(keys)} keys but {len(views)} buffers")
+        sizes = self.read_direct(keys, views)
+        rest = [j for j, size in enumerate(sizes) if size is None]
+        if rest:
+            for j, size in zip(rest, super().get_into_many([keys[j] for j in rest], [views[j] for j in rest])):
+                sizes[j] = size
+        return sizes
+
     def get_into(self, key: BlockKey, buffer) -> int | None:
         """One block into ``buffer``: its size, None for a miss.
 
-        The hot path: one LEASE round trip (carrying the release of the previous
-        read's lease), one copy, one checksum, and little else (no per-call
-        closures, chunking or result lists). A damaged copy is leased and copied once more, then
-        read over the socket, as is a block the node could not bring into DRAM.
+        The hot path: a one-sided read through the block directory (one copy,
+        one checksum, no round trip). Else one LEASE round trip (carrying the
+        release of the previous read's lease), one copy, one checksum. A damaged
+        copy is leased and copied once more, then read over the socket, as is a
+        block the node could not bring into DRAM.
         """
         key = check_key(key)
         view = byte_view(buffer, writable=True)
+        if self._directory is not None:
+            size = self._read_direct(key, view)
+            if size is not None:
+                return size
         sent = _monotonic()
         lease_id, ((status, offset, size, checksum),) = self._lease((key,), _FIRST, 0)
         if status != _OK:
@@ -188,10 +314,11 @@ class ShmConnection(DataPlaneConnection):
             raise errors[0]
         return result[0]
 
-    def _read(self, keys: list, todo: list[int], costs: list[int], target, errors: dict,
+    def _read(self, keys: list, todo: list[int], costs: list[int], target, errors: dict, landed=None,
               retry: bool = True) -> None:
         """Lease, copy and verify; a damaged copy is leased and copied once more (``retry``),
-        then read over the socket, as are blocks the node could not bring into DRAM."""
+        then read over the socket, as are blocks the node could not bring into DRAM.
+        ``landed()``, when given, runs once the leased copies are done, and after each socket reply."""
         later, damaged = self._copy_leased(keys, todo, costs, target, errors)
         if damaged and retry:  # a lease expired before its copy ended, and a writer reused the space
             for j in damaged:
@@ -201,8 +328,10 @@ class ShmConnection(DataPlaneConnection):
         for j in damaged:
             target(j, None)
         later += damaged
+        if landed is not None:
+            landed()
         if later:
-            super()._read(keys, sorted(later), costs, target, errors)
+            super()._read(keys, sorted(later), costs, target, errors, landed)
 
     def _copy_leased(self, keys: list, todo: list[int], costs: list[int], target, errors: dict):
         """LEASE keys[j] for j in todo and copy each leased block into ``target(j, size)``.
@@ -332,7 +461,12 @@ class ShmConnection(DataPlaneConnection):
 
     def close(self) -> None:
         """Close the socket (the node then releases every lease of this connection at once) and unmap."""
+        if self._touched:
+            self._report_touches()
         super().close()
+        directory, self._directory = getattr(self, "_directory", None), None
+        if directory is not None:
+            directory.close()
         mem, self._mem = getattr(self, "_mem", None), None
         if mem is not None:
             mem.release()

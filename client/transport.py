@@ -69,6 +69,7 @@ _pack_release1 = struct.Struct(HEADER.format + "Q").pack  # a RELEASE frame of o
 WINDOW = 2  # frames in flight: the next is sent while the node answers the previous
 KEYS_PER_FRAME = 256  # keys-only requests stay small (< 64 KiB), so pipelining cannot deadlock
 UNIX_SOCKET_BUFFER = 4 << 20
+LANDING_MAX = 64 << 20  # the most receive space a connection keeps for get()
 
 
 def _connect(target: str, timeout: float | None) -> socket.socket:
@@ -117,6 +118,30 @@ def _put_item(item) -> tuple[BlockKey, memoryview, int]:
     return check_key(key), byte_view(value), depth
 
 
+class LandingBuffer:
+    """Receive space that ``get`` reuses from call to call: ``take(size)`` hands out the next
+    ``size`` bytes of it (a fresh buffer when it is full), ``reset()`` makes it all free again,
+    grown to what the last round needed, up to ``LANDING_MAX`` bytes."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._used = self._wanted = 0
+
+    def take(self, size: int) -> memoryview:
+        end = self._used + size
+        self._wanted = max(self._wanted, end)
+        if end > len(self._buffer):
+            return memoryview(bytearray(size))
+        view = memoryview(self._buffer)[self._used : end]
+        self._used = end
+        return view
+
+    def reset(self) -> None:
+        if len(self._buffer) < self._wanted <= LANDING_MAX:
+            self._buffer = bytearray(self._wanted)
+        self._used = self._wanted = 0
+
+
 class _StreamGuard:
     """What ``DataPlaneConnection._stream`` returns (one per connection, reused: a plain
     class is cheaper than a generator context manager on every request)."""
@@ -148,7 +173,9 @@ class DataPlaneConnection:
         self._request_id = 0
         self._dead: str | None = None
         self._finished: list[int] = []  # lease ids done with (shared memory): released with the next request
+        self._touched: list[bytes] = []  # key entries of one-sided reads (shared memory): reported likewise
         self._guard = _StreamGuard(self)
+        self._landing = LandingBuffer()
         try:
             self._info = self.info(refresh=True)
         except BaseException:
@@ -174,7 +201,7 @@ class DataPlaneConnection:
 
     def _send(self, op: int, count: int, table: bytes, payloads=(), body_extra: int = 0, flags: int = 0) -> int:
         """Send one request frame (table, then payloads); its request id."""
-        lead = self._release_frame() if self._finished else b""
+        lead = self._lead_frames() if self._finished or self._touched else b""
         self._request_id = request_id = (self._request_id + 1) & 0xFFFFFFFF
         head = lead + _pack_header(MAGIC, VERSION, op, 0, flags, request_id, count, len(table) + body_extra)
         if payloads:
@@ -183,8 +210,18 @@ class DataPlaneConnection:
             self._sock.sendall(head + table)
         return request_id
 
+    def _lead_frames(self) -> bytes:
+        """RELEASE and TOUCH frames (NO_REPLY) of what is pending, to go out in front of the next request."""
+        lead = self._release_frame() if self._finished else b""
+        if self._touched:
+            entries, self._touched = self._touched, []
+            self._request_id = request_id = (self._request_id + 1) & 0xFFFFFFFF
+            body = b"".join(entries)
+            lead += pack_header(Op.TOUCH, request_id, len(entries), len(body), flags=FLAG_NO_REPLY) + body
+        return lead
+
     def _release_frame(self) -> bytes:
-        """A RELEASE (NO_REPLY) frame of the finished lease ids, to go out in front of the next request."""
+        """A RELEASE (NO_REPLY) frame of the finished lease ids."""
         ids, self._finished = self._finished, []
         self._request_id = request_id = (self._request_id + 1) & 0xFFFFFFFF
         if len(ids) == 1:
@@ -193,15 +230,15 @@ class DataPlaneConnection:
                 + struct.pack(f"<{len(ids)}Q", *ids))
 
     def flush(self) -> None:
-        """Release now, and wait for the node to confirm, the leases of finished shared-memory
-        reads (they otherwise go out with this connection's next request, or expire after the
-        node's lease TTL). A no-op when nothing is pending, and on socket transports."""
-        if not self._finished or self._dead is not None:
+        """Report now, and wait for the node to confirm, what shared-memory reads left pending:
+        the leases they finished with (released) and the blocks they read by themselves
+        (counted as hits). Both otherwise go out with this connection's next request, and
+        leases expire after the node's lease TTL. A no-op when nothing is pending, and on
+        socket transports."""
+        if not (self._finished or self._touched) or self._dead is not None:
             return
         with self._stream():
-            ids, self._finished = self._finished, []
-            request_id = self._send(Op.RELEASE, len(ids), struct.pack(f"<{len(ids)}Q", *ids))
-            self._reader.skip(self._reply(Op.RELEASE, request_id, 0))
+            self._reader.skip(self._reply(Op.PING, self._send(Op.PING, 0, b""), 0))
 
     def _reply(self, op: int, request_id: int, count: int | None) -> int:
         """Read a reply header for ``request_id``; its body_len. Error frames raise their typed error."""
@@ -262,26 +299,43 @@ class DataPlaneConnection:
         return results
 
     def get_many(self, keys) -> list[bytes | None]:
-        """Each block's bytes, None for misses (get_into_many avoids the allocation)."""
+        """Each block's bytes, None for misses (get_into_many avoids the allocation).
+
+        Blocks land in the connection's reused landing buffer and are copied
+        once into their bytes objects (receiving into a fresh bytearray and
+        converting it keeps two large allocations per block, which glibc
+        answers with fresh pages, and page faults, on every call).
+        """
         keys = [check_key(k) for k in keys]
-        out: dict[int, bytearray] = {}
+        out: dict[int, bytes] = {}
         errors: dict[int, KVStoreError] = {}
+        landing = self._landing
+        placed: dict[int, memoryview] = {}
 
         def target(j: int, size: int | None):
+            out.pop(j, None)
             if size is None:  # a retry found no block after all: forget the earlier copy
-                out.pop(j, None)
+                placed.pop(j, None)
                 return None
-            out[j] = buf = bytearray(size)
-            return memoryview(buf)
+            placed[j] = view = landing.take(size)
+            return view
+
+        def landed() -> None:  # the blocks placed so far are in and verified: copy them out
+            for j, view in placed.items():
+                if j not in errors:
+                    out[j] = bytes(view)
+            placed.clear()
+            landing.reset()
 
         # sizes are unknown: chunk by count; the node defers what overflows a frame (FRAME_TOO_LARGE)
-        self._read(keys, list(range(len(keys))), [0] * len(keys), target, errors)
+        self._read(keys, list(range(len(keys))), [0] * len(keys), target, errors, landed)
         _raise_first(errors)
-        return [bytes(out[j]) if j in out else None for j in range(len(keys))]
+        return [out.get(j) for j in range(len(keys))]
 
-    def _read(self, keys: list, todo: list[int], costs: list[int], target, errors: dict) -> None:
+    def _read(self, keys: list, todo: list[int], costs: list[int], target, errors: dict, landed=None) -> None:
         """GET ``keys[j]`` for j in todo, block j into ``target(j, size)`` (a view, or None to drop it;
-        ``target(j, None)`` forgets an earlier call for j); per-key failures go to ``errors``.
+        ``target(j, None)`` forgets an earlier call for j); per-key failures go to ``errors``;
+        ``landed()``, when given, runs after each reply's blocks are in and verified.
         Frames hold at most ``max_frame_bytes`` of ``costs``."""
         budget = self.max_frame_bytes - KEYS_PER_FRAME * GET_ITEM.size
         while todo:
@@ -308,6 +362,8 @@ class DataPlaneConnection:
                     for j, out, checksum in blocks:
                         if j not in errors and _checksum(out) != checksum:
                             errors[j] = ChecksumMismatch(f"block {j} arrived damaged (checksum mismatch)")
+                if landed is not None:
+                    landed()
 
             chunks = _split(todo, costs, budget, KEYS_PER_FRAME)
             self._pipeline(chunks, lambda chunk: self._keys_request(Op.GET, keys, chunk), receive)

@@ -48,7 +48,7 @@ U64 = struct.Struct("<Q")
 
 # Header flags.
 FLAG_REPLY = 0x1  # set on every frame a node sends
-FLAG_NO_REPLY = 0x2  # RELEASE only: the node sends nothing back
+FLAG_NO_REPLY = 0x2  # RELEASE and TOUCH: the node sends nothing back
 FLAG_ABORT = 0x4  # COMMIT only: revoke the reservations instead of publishing them
 FLAG_HOLD = 0x8  # LEASE only: the leases never expire (held until RELEASE or the connection ends)
 
@@ -65,6 +65,7 @@ class Op(IntEnum):
     RELEASE = 8
     RESERVE = 9
     COMMIT = 10
+    TOUCH = 11
 
 
 class Status(IntEnum):

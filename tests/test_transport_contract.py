@@ -71,7 +71,7 @@ def node(request, tmp_path_factory):
             proc.kill()
 
 
-@pytest.fixture(params=["tcp", "unix", "shm"])
+@pytest.fixture(params=["tcp", "unix", "shm", "shm-leased"])
 def connect(request, node):
     """Factory of connections of the parametrised transport to the node; all closed after the test."""
     opened = []
@@ -81,8 +81,8 @@ def connect(request, node):
             conn = TcpConnection(node.address, **options)
         elif request.param == "unix":
             conn = UnixConnection(node.unix_path, **options)
-        else:
-            conn = ShmConnection(node.unix_path, **options)
+        else:  # "shm" reads through the block directory first; "shm-leased" always takes leases
+            conn = ShmConnection(node.unix_path, one_sided=request.param == "shm", **options)
         opened.append(conn)
         return conn
 

@@ -5,7 +5,9 @@ its own: the lease id rides along with the connection's next request, or goes
 out with ``flush()``. The node expires leases older than its lease TTL, so a
 read whose lease lapsed before its copy ended can see the space reused; the
 checksum (or, without verification, the clock) catches that and the read is
-redone. These tests drive a node in this process so they can look at its
+redone. (Reads through the block directory take no lease: these connections
+are made with ``one_sided=False``; test_transport_directory.py covers that
+path.) These tests drive a node in this process so they can look at its
 store, and force the race with a connection whose LEASE reply is followed,
 before the copy, by the lease expiring and writers reusing the space.
 """
@@ -64,7 +66,7 @@ def test_a_finished_lease_is_released_by_the_next_request(make_node):
     server = make_node(lease_ttl=None)  # nothing expires: only the client releases
     store, k = server.store, key("next-request")
     store.put(k, value("next-request"))
-    with ShmConnection(server.unix_path) as conn:
+    with ShmConnection(server.unix_path, one_sided=False) as conn:
         assert conn.get(k) == value("next-request")
         assert store._dram.is_leased(k)  # no RELEASE frame of its own...
         assert conn.exists(key("anything else")) is False
@@ -83,7 +85,7 @@ def test_leases_of_an_idle_client_expire(make_node):
     server = make_node(lease_ttl=0.2)
     store, k = server.store, key("idle")
     store.put(k, value("idle"))
-    with ShmConnection(server.unix_path) as conn:
+    with ShmConnection(server.unix_path, one_sided=False) as conn:
         assert conn.lease_ttl == 0.2
         started = time.monotonic()
         assert conn.get_into(k, bytearray(BLOCK)) == BLOCK and store._dram.is_leased(k)
@@ -151,7 +153,7 @@ def test_a_read_whose_lease_expired_never_returns_wrong_bytes(make_node, stalls,
     server = make_node(lease_ttl=TINY_TTL)
     store, victim = server.store, key("victim")
     store.put(victim, value("victim-0"))
-    with StallingShm(server.unix_path, store, victim, stalls, verify=verify) as conn:
+    with StallingShm(server.unix_path, store, victim, stalls, verify=verify, one_sided=False) as conn:
         buffer = bytearray(BLOCK)
         if call == "get_into":
             got = buffer if conn.get_into(victim, buffer) == BLOCK else None

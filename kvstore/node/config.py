@@ -21,6 +21,8 @@ class StoreConfig:
     runs, in batches of ``eviction_batch`` blocks, until it is under
     ``low_watermark``: in a background thread when ``background_eviction``,
     else (and always as a last resort) inline on the put that found no room.
+    ``directory_slots`` sizes the block directory that same-host clients read
+    without a round trip (None: one slot per 32 KiB of DRAM; 0: none).
     """
 
     dram_capacity: int | str = 1 << 30
@@ -40,6 +42,7 @@ class StoreConfig:
     granule: int = 4096
     prefault: bool = False
     arena_name: str | None = None
+    directory_slots: int | None = None
 
     def __post_init__(self) -> None:
         self.dram_capacity = parse_size(self.dram_capacity)
@@ -56,6 +59,8 @@ class StoreConfig:
             raise ConfigError("need 0 < low_watermark <= high_watermark <= 1")
         if self.granule <= 0 or self.granule & (self.granule - 1):
             raise ConfigError("granule must be a power of two")
+        if self.directory_slots is not None and self.directory_slots < 0:
+            raise ConfigError("directory_slots must be >= 0 (0: no block directory)")
         if self.eviction_batch <= 0:
             raise ConfigError("eviction_batch must be positive")
         granules = -(-self.max_block_bytes // self.granule)

@@ -45,7 +45,7 @@ class BlockStore:
         self._lock = threading.Lock()
         self._table: dict[BlockKey, BlockMeta] = {}
         self._dram = DramTier(config.dram_capacity, granule=config.granule, prefault=config.prefault,
-                              arena_name=config.arena_name)
+                              arena_name=config.arena_name, directory_slots=config.directory_slots)
         self._ssd = None
         self._policies = [make_policy(config.policy), make_policy(config.ssd_policy)]
         self._counters = [TierCounters(), TierCounters()]
@@ -261,6 +261,18 @@ class BlockStore:
             return extent.size
         finally:
             self._dram.release(extent)
+
+    def touch(self, keys: Iterable[BlockKey]) -> None:
+        """Count reads that same-host clients served themselves from the block
+        directory, as hits that keep the blocks warm for eviction; absent keys are skipped."""
+        keys = [self._check_key(k) for k in keys]
+        with self._lock:
+            for key in keys:
+                meta = self._table.get(key)
+                if meta is not None:
+                    meta.hits += 1
+                    self._policies[meta.tier].touch(key)
+                    self._counters[meta.tier].hits += 1
 
     # -- lookups without reading ---------------------------------------------------------
     def exists(self, key: BlockKey) -> bool:

@@ -19,7 +19,7 @@ import weakref
 from kvstore_client.errors import ConfigError
 
 
-_ARENA_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]+$")
+_ARENA_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]+(\.dir)?$")  # an arena, or its block directory
 
 
 def shm_dir() -> str:
@@ -120,7 +120,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def reap_stale_arenas() -> list[str]:
-    """Remove default-named arenas whose creating process no longer exists."""
+    """Remove default-named arenas (and their block directories) whose creating process no longer exists."""
     removed = []
     directory = shm_dir()
     for entry in os.listdir(directory):

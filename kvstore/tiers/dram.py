@@ -4,6 +4,8 @@ Each block is an extent of the arena (offset, size) described by a small
 ``Extent`` record; no Python bytes object is kept per block. Readers take a
 lease on an extent and copy outside the lock; a block discarded or replaced
 while leased stays readable and its space returns when the last lease ends.
+With a block directory, every indexed block is also published there for
+same-host readers, and unpublished before its space can be freed.
 
 Thread-safe. ``_lock`` guards the index, the allocator and lease counts; it
 is taken after the store's lock, never before, and no call made under it
@@ -19,6 +21,7 @@ from kvstore_client.errors import BufferTooSmall
 from kvstore_client.keys import BlockKey
 from kvstore.tiers.allocator import ExtentAllocator
 from kvstore.tiers.arena import SharedArena
+from kvstore.tiers.directory import BlockDirectory, default_slots
 
 
 class Extent:
@@ -39,10 +42,19 @@ class DramTier:
 
     name = "dram"
 
-    def __init__(self, capacity: int, *, granule: int = 4096, prefault: bool = False, arena_name: str | None = None):
+    def __init__(self, capacity: int, *, granule: int = 4096, prefault: bool = False, arena_name: str | None = None,
+                 directory_slots: int | None = None):
         self._alloc = ExtentAllocator(capacity, granule)
         self.arena = SharedArena.create(max(self._alloc.capacity, granule), arena_name, prefault)
         self._mem = self.arena.view
+        self.directory: BlockDirectory | None = None
+        if directory_slots != 0:
+            slots = directory_slots or default_slots(self.arena.size)
+            try:
+                self.directory = BlockDirectory(self.arena.path + ".dir", self.arena.size, slots)
+            except BaseException:
+                self.arena.close()
+                raise
         self._index: dict[BlockKey, Extent] = {}
         self._lock = threading.Lock()
 
@@ -83,6 +95,8 @@ class DramTier:
         with self._lock:
             old = self._index.get(key)
             self._index[key] = extent
+            if self.directory is not None:  # before the old block is retired: its slot now points here
+                self.directory.publish(key, extent.offset, extent.size, checksum)
             if old is not None:
                 self._retire(old)
 
@@ -163,6 +177,8 @@ class DramTier:
             extent = self._index.pop(key, None)
             if extent is None:
                 return False
+            if self.directory is not None:
+                self.directory.unpublish(key)
             self._retire(extent)
             return True
 
@@ -171,6 +187,8 @@ class DramTier:
 
     def close(self) -> None:
         self._index.clear()
+        if self.directory is not None:
+            self.directory.close()
         self.arena.close()
 
     def _retire(self, extent: Extent) -> None:

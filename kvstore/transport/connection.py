@@ -7,7 +7,7 @@ ERROR reply and ends the connection, because the byte stream can no longer
 be trusted to be in sync; other connections are unaffected.
 
 The connection owns its lease and reservation tables. Reservations are
-touched only by its thread; leases are also expired by the server's reaper
+touched only by its thread; leases are also expired by the server's housekeeping
 thread, so they live in a thread-safe ``LeaseTable`` (leases.py).
 When the connection ends, however it ends, every lease is released and every
 open reservation revoked (so a client that dies mid-PUT leaves nothing
@@ -57,7 +57,7 @@ class Frame:
 
 class Connection:
     """Serves one client socket from one thread; see the module docstring. Only ``leases``
-    is touched by another thread (the server's reaper)."""
+    is touched by another thread (the server's housekeeping thread)."""
 
     def __init__(self, server: "DataPlaneServer", sock: socket.socket, peer: str):
         self.server = server
@@ -66,7 +66,7 @@ class Connection:
         self.peer = peer
         self.reader = FrameReader(sock)
         self.max_frame_bytes = server.max_frame_bytes
-        self.leases = LeaseTable()  # also expired by the server's reaper thread
+        self.leases = LeaseTable()  # also expired by the server's housekeeping thread
         self.reservations: dict[int, list] = {}  # reservation id -> [(Reservation | None, status)]
         self._next_id = 0
 

@@ -3,12 +3,12 @@
 A LEASE request pins its DRAM blocks as one group under one lease id. Groups
 end when the client releases them (a RELEASE frame, which the SDK sends late:
 together with its next request), when the connection ends, or, so that an
-idle client cannot pin blocks forever, when the server's reaper finds them
+idle client cannot pin blocks forever, when the server's housekeeping thread finds them
 older than the lease TTL. Groups taken with FLAG_HOLD (zero-copy views a
 caller keeps) never expire.
 
 Thread-safety: the connection's thread adds and pops groups, the server's
-reaper thread expires them; ``_lock`` guards both tables and is held only for
+housekeeping thread expires them; ``_lock`` guards both tables and is held only for
 dict operations, never while calling the store: groups are taken out under
 the lock and released (store locks) after it is dropped.
 """

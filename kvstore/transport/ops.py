@@ -164,6 +164,14 @@ def _statuses(conn: "Connection", frame: "Frame", fn) -> None:
     conn.reply(frame, frame.count, out)
 
 
+def op_touch(conn: "Connection", frame: "Frame") -> None:
+    """Hits a same-host client served itself from the block directory (see kvstore_client.directory)."""
+    entries = conn.read_table(frame, KEY_HEAD)
+    conn.store.touch([key for key, _ in entries if type(key) is not int])
+    if not frame.flags & FLAG_NO_REPLY:
+        conn.reply(frame, 0)
+
+
 def op_exists(conn: "Connection", frame: "Frame") -> None:
     _statuses(conn, frame, conn.store.exists)
 
@@ -294,4 +302,5 @@ OPS = {
     Op.RELEASE: op_release,
     Op.RESERVE: op_reserve,
     Op.COMMIT: op_commit,
+    Op.TOUCH: op_touch,
 }

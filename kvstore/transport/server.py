@@ -7,13 +7,14 @@ GIL is released inside every send/recv). The frame format is in
 state and cleanup in ``kvstore.transport.connection``.
 
 Read leases a client has not released expire after ``lease_ttl`` seconds:
-a reaper thread sweeps every connection's lease table a few times per TTL,
-so an idle same-host client (which releases late, with its next request)
-cannot pin blocks forever.
+a housekeeping thread sweeps every connection's lease table a few times per
+TTL, so an idle same-host client (which releases late, with its next
+request) cannot pin blocks forever. The same thread keeps the DRAM tier's
+block directory marked alive for same-host one-sided readers.
 
 Thread-safety: ``start``/``stop`` are for the owner's thread; ``_lock``
 guards only the set of live connections (it is never held while calling the
-store, nor while the reaper expires leases). The store does its own locking.
+store, nor while the housekeeping thread expires leases). The store does its own locking.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 _UNIX_SOCKET_BUFFER = 4 * MiB  # the kernel caps it at wmem_max / rmem_max
 DEFAULT_LEASE_TTL = 2.0  # seconds an unreleased read lease outlives its LEASE request
+HOUSEKEEPING_PERIOD = 0.25  # seconds between directory heartbeats (and lease sweeps, at most)
+DIRECTORY_LIFETIME = 1.0  # seconds readers trust the block directory after a heartbeat
 
 
 class DataPlaneServer:
@@ -60,7 +63,7 @@ class DataPlaneServer:
         self.machine_id = machine_id or this_machine_id()
         self.max_frame_bytes = max_frame_bytes
         self.lease_ttl = lease_ttl
-        self._stopped = threading.Event()  # wakes the lease reaper
+        self._stopped = threading.Event()  # wakes the housekeeping thread
         self._listeners: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._connections: dict[Connection, threading.Thread] = {}
@@ -86,10 +89,9 @@ class DataPlaneServer:
                                       name=f"kvstore-dataplane-accept-{listener.family.name}")
             thread.start()
             self._threads.append(thread)
-        if self.lease_ttl is not None:
-            reaper = threading.Thread(target=self._reap_leases, daemon=True, name="kvstore-dataplane-lease-reaper")
-            reaper.start()
-            self._threads.append(reaper)
+        housekeeper = threading.Thread(target=self._housekeeping, daemon=True, name="kvstore-dataplane-housekeeping")
+        housekeeper.start()
+        self._threads.append(housekeeper)
         log.info("data plane listening on %s%s", self.address, f" and {self.unix_path}" if self.unix_path else "")
         return self
 
@@ -126,6 +128,7 @@ class DataPlaneServer:
     # -- what clients learn from INFO ------------------------------------------------------
     def info(self) -> dict:
         arena = self.store._dram.arena  # the DRAM tier's shared-memory arena
+        directory = self.store._dram.directory
         return {
             "version": VERSION,
             "node_id": self.node_id,
@@ -137,6 +140,7 @@ class DataPlaneServer:
             "max_frame_bytes": self.max_frame_bytes,
             "max_items": MAX_ITEMS,
             "lease_ttl": self.lease_ttl,
+            "directory": None if directory is None else directory.name,
         }
 
     @property
@@ -156,18 +160,28 @@ class DataPlaneServer:
                 continue
             self._serve_later(sock, peer)
 
-    def _reap_leases(self) -> None:
-        """Every quarter TTL (at most 0.5 s), release leases older than the TTL on every connection."""
+    def _housekeeping(self) -> None:
+        """Every quarter second or quarter lease TTL: keep the block directory trusted for
+        DIRECTORY_LIFETIME seconds more, and release leases older than the TTL."""
         ttl = self.lease_ttl
-        while not self._stopped.wait(min(ttl / 4, 0.5)):
-            with self._lock:
-                live = list(self._connections)
-            cutoff = time.monotonic() - ttl
-            for conn in live:
-                try:
-                    conn.leases.expire(cutoff)
-                except Exception:  # never let one bad lease stop the sweeps
-                    log.exception("expiring the leases of data-plane connection %s failed", conn.peer)
+        period = HOUSEKEEPING_PERIOD if ttl is None else min(ttl / 4, HOUSEKEEPING_PERIOD)
+        directory = self.store._dram.directory
+        while True:
+            if directory is not None:
+                directory.beat(DIRECTORY_LIFETIME)
+            if self._stopped.wait(period):
+                return
+            if ttl is not None:
+                self._reap_leases(time.monotonic() - ttl)
+
+    def _reap_leases(self, cutoff: float) -> None:
+        with self._lock:
+            live = list(self._connections)
+        for conn in live:
+            try:
+                conn.leases.expire(cutoff)
+            except Exception:  # never let one bad lease stop the sweeps
+                log.exception("expiring the leases of data-plane connection %s failed", conn.peer)
 
     def _serve_later(self, sock: socket.socket, peer) -> None:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
