@@ -58,6 +58,7 @@ from kvstore_client.wire import (
     error_for,
     key_entry,
     pack_header,
+    pull_entry,
     put_entry,
     send_buffers,
     unpack_header,
@@ -332,6 +333,19 @@ class DataPlaneConnection:
         _raise_first(errors)
         return [out.get(j) for j in range(len(keys))]
 
+    def get_with(self, keys, place, landed=None) -> dict[int, KVStoreError]:
+        """GET each block of ``keys`` straight into ``place(j, size)``, a writable view of
+        exactly ``size`` bytes chosen once the block's size is known (None: drop the block;
+        ``place(j, None)``: forget what was placed for j, which is read again).
+        ``landed(errors)`` runs each time the blocks placed so far are in and verified, with
+        the per-key errors so far (damaged blocks among them: do not keep those). Returns
+        those errors; misses are neither placed nor errors."""
+        keys = [check_key(k) for k in keys]
+        errors: dict[int, KVStoreError] = {}
+        self._read(keys, list(range(len(keys))), [0] * len(keys), place, errors,
+                   None if landed is None else lambda: landed(errors))
+        return errors
+
     def _read(self, keys: list, todo: list[int], costs: list[int], target, errors: dict, landed=None) -> None:
         """GET ``keys[j]`` for j in todo, block j into ``target(j, size)`` (a view, or None to drop it;
         ``target(j, None)`` forgets an earlier call for j); per-key failures go to ``errors``;
@@ -427,6 +441,26 @@ class DataPlaneConnection:
         error = self.put_many([(key, value, depth)])[0]
         if error is not None:
             raise error
+
+    def pull_many(self, source: str, items) -> list[bool]:
+        """Have this node copy ``(key, depth)`` items from the node whose data plane is at
+        ``source`` ("host:port"), node to node, the bytes never passing through this process:
+        True where copied, False where the source holds no such block. Raises the first other
+        per-item error (ServiceUnavailable: the source could not be reached), after all items."""
+        address = source.encode()
+        if not 0 < len(address) < 256:
+            raise InvalidValue("a source address is 1..255 bytes")
+        items = [(check_key(k), d) for k, d in items]
+        statuses: list = [Status.NOT_FOUND] * len(items)
+
+        def send(chunk: list[int]) -> int:
+            table = bytes([len(address)]) + address + b"".join([pull_entry(*items[i]) for i in chunk])
+            return self._send(Op.PULL, len(chunk), table)
+
+        chunks = _split(list(range(len(items))), [0] * len(items), 1, KEYS_PER_FRAME)
+        self._pipeline(chunks, send, lambda chunk, rid: self._statuses(Op.PULL, chunk, rid, statuses))
+        _raise_first({i: error_for(s) for i, s in enumerate(statuses) if s not in (Status.OK, Status.NOT_FOUND)})
+        return [s == Status.OK for s in statuses]
 
     # -- lookups and removal ------------------------------------------------------------------------
     def exists_many(self, keys) -> list[bool]:

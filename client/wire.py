@@ -24,6 +24,7 @@ from kvstore_client.errors import (
     KVStoreError,
     ProtocolError,
     RemoteError,
+    ServiceUnavailable,
     TransportError,
     UnknownNamespace,
 )
@@ -44,6 +45,7 @@ RESERVE_ENTRY = struct.Struct("<BBIQ")  # ns_len, dg_len, depth, size; then ns, 
 GET_ITEM = struct.Struct("<BQQ")  # reply: status, size, checksum
 LEASE_ITEM = struct.Struct("<BQQQ")  # reply: status, offset, size, checksum
 RESERVED_ITEM = struct.Struct("<BQ")  # reply: status, offset
+PULL_ENTRY = struct.Struct("<BBI")  # ns_len, dg_len, depth; then ns, digest
 U64 = struct.Struct("<Q")
 
 # Header flags.
@@ -66,6 +68,7 @@ class Op(IntEnum):
     RESERVE = 9
     COMMIT = 10
     TOUCH = 11
+    PULL = 12
 
 
 class Status(IntEnum):
@@ -82,6 +85,7 @@ class Status(IntEnum):
     UNKNOWN_LEASE = 10  # unknown lease or reservation id
     NOT_IN_DRAM = 11  # LEASE item stored but not in DRAM: read it with GET
     INTERNAL = 12
+    SOURCE_UNAVAILABLE = 13  # PULL item: the source node could not be reached, or failed mid-transfer
 
 
 _ERROR_CLASSES: dict[int, type[KVStoreError]] = {
@@ -91,6 +95,7 @@ _ERROR_CLASSES: dict[int, type[KVStoreError]] = {
     Status.NO_CAPACITY: CapacityError,
     Status.CHECKSUM_MISMATCH: ChecksumMismatch,
     Status.INTERNAL: RemoteError,
+    Status.SOURCE_UNAVAILABLE: ServiceUnavailable,
 }
 _STATUS_OF = [  # most specific first (the order matters for subclasses)
     (InvalidKey, Status.INVALID_KEY),
@@ -159,6 +164,12 @@ def put_entry(key: BlockKey, depth: int, size: int, checksum: int) -> bytes:
     ns, digest = key
     nsb = _ns_bytes(ns)
     return PUT_ENTRY.pack(len(nsb), len(digest), depth, size, checksum) + nsb + digest
+
+
+def pull_entry(key: BlockKey, depth: int) -> bytes:
+    ns, digest = key
+    nsb = _ns_bytes(ns)
+    return PULL_ENTRY.pack(len(nsb), len(digest), depth) + nsb + digest
 
 
 def reserve_entry(key: BlockKey, depth: int, size: int) -> bytes:

@@ -1,12 +1,11 @@
 """Copies blocks between storage nodes when the conductor fetches a prefix.
 
 A Decision that fetches names blocks held by one node and wanted on the
-prefill instance's node (hotspot migration). The replicator reads them from
-the source node and writes them to the target over the data plane, in
-worker threads, off the Schedule call. The copy lands through the target's
-normal put path, so its STORED events update the index like any other write.
-The bytes pass through the master process on the way (it keeps none);
-a node-to-node pull would save that hop.
+prefill instance's node (hotspot migration). The replicator asks the target
+node to PULL them from the source over the data plane, node to node (the
+bytes never pass through the master), in worker threads, off the Schedule
+call. The copies land through the target's normal reserve/commit path, so
+its STORED events update the index like any other write.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
+from kvstore_client.errors import KVStoreError
 from kvstore_client.transport import TcpConnection
 
 log = logging.getLogger(__name__)
@@ -38,17 +38,14 @@ class Replicator:
         if src is None or dst is None:
             self.failed_copies += 1
             return 0
-        keys = [(namespace, d) for d in digests]
+        items = [((namespace, d), first_depth + i) for i, d in enumerate(digests)]
         try:
-            with TcpConnection(src) as reader, TcpConnection(dst) as writer:
-                values = reader.get_many(keys)
-                items = [(k, v, first_depth + i) for i, (k, v) in enumerate(zip(keys, values)) if v is not None]
-                errors = writer.put_many(items) if items else []
-        except OSError as exc:
-            log.warning("replicating %d blocks %s -> %s failed: %s", len(keys), source, target, exc)
+            with TcpConnection(dst) as target_node:
+                copied = sum(target_node.pull_many(src, items))
+        except KVStoreError as exc:
+            log.warning("replicating %d blocks %s -> %s failed: %s", len(items), source, target, exc)
             self.failed_copies += 1
             return 0
-        copied = sum(e is None for e in errors)
         self.copied_blocks += copied
         return copied
 

@@ -24,6 +24,8 @@ from kvstore_client.wire import (
     GET_ITEM,
     KEY_HEAD,
     LEASE_ITEM,
+    MAX_TABLE_BYTES,
+    PULL_ENTRY,
     PUT_ENTRY,
     RESERVE_ENTRY,
     RESERVED_ITEM,
@@ -31,6 +33,7 @@ from kvstore_client.wire import (
     Op,
     Status,
     decode_key,
+    parse_table,
     status_of,
 )
 
@@ -285,6 +288,31 @@ def op_commit(conn: "Connection", frame: "Frame") -> None:
     conn.reply(frame, frame.count, out)
 
 
+def op_pull(conn: "Connection", frame: "Frame") -> None:
+    """Copy blocks from another node (u8 address length, its data-plane "host:port", then
+    PULL entries) into this one: one status byte per item (see kvstore.node.puller)."""
+    if frame.body_len < 1:
+        raise _bad("PULL without a source address")
+    address_len = conn.reader.read(1)[0]
+    if not address_len or 1 + address_len > frame.body_len:
+        raise _bad("PULL source address runs past body_len")
+    source = bytes(conn.reader.read(address_len)).decode(errors="replace")
+    if frame.body_len - 1 - address_len > MAX_TABLE_BYTES:
+        raise ProtocolError("PULL table is too large", Status.FRAME_TOO_LARGE)
+    entries = parse_table(conn.reader.read(frame.body_len - 1 - address_len), frame.count, PULL_ENTRY)
+    out = bytearray(frame.count)
+    wanted = [i for i, (key, _) in enumerate(entries) if type(key) is not int]
+    for i, (key, _) in enumerate(entries):
+        if type(key) is int:
+            out[i] = key
+    if wanted:
+        statuses = conn.server.puller.pull(source, [entries[i][0] for i in wanted],
+                                           [entries[i][1][2] for i in wanted])
+        for i, status in zip(wanted, statuses):
+            out[i] = status
+    conn.reply(frame, frame.count, out)
+
+
 def _revoke(group: list) -> None:
     for res, _ in group:
         if res is not None and res.open:
@@ -303,4 +331,5 @@ OPS = {
     Op.RESERVE: op_reserve,
     Op.COMMIT: op_commit,
     Op.TOUCH: op_touch,
+    Op.PULL: op_pull,
 }

@@ -28,6 +28,7 @@ import time
 from kvstore_client.errors import ConfigError
 from kvstore_client.hostid import machine_id as this_machine_id
 from kvstore_client.wire import MAX_ITEMS, VERSION
+from kvstore.node.puller import BlockPuller
 from kvstore.node.store import BlockStore
 from kvstore.transport.connection import Connection
 
@@ -57,6 +58,7 @@ class DataPlaneServer:
         if lease_ttl is not None and not lease_ttl > 0:
             raise ConfigError(f"lease_ttl must be positive seconds or None, got {lease_ttl!r}")
         self.store = store
+        self.puller = BlockPuller(store)  # serves PULL: copies from other nodes
         self.host, self.port = host, port
         self.unix_path = unix_path
         self.node_id = node_id
@@ -116,6 +118,7 @@ class DataPlaneServer:
             conn.shutdown()
         for _, thread in live:
             thread.join(timeout)
+        self.puller.close()
         if self.unix_path and os.path.exists(self.unix_path):
             os.unlink(self.unix_path)
 
