@@ -24,8 +24,12 @@ later than the lease TTL after its LEASE was sent is redone the same way.
 Blocks stored only on SSD that the node cannot bring into DRAM are read with
 GET over the socket.
 
-Writes: RESERVE (arena offsets), copy in, COMMIT with each value's checksum,
-which the node verifies over the arena bytes.
+Writes: copy into arena space the node granted after the previous put and
+STORE (one round trip; the node checksums the bytes), when the sizes match
+that grant; else RESERVE (arena offsets), copy in, COMMIT with each value's
+checksum, which the node verifies over the arena bytes. Both replies carry a
+grant of the same sizes for the next put (REGRANT): a run of same-sized puts,
+the usual case for KV blocks, takes one round trip each.
 
 ``lease_many`` hands out zero-copy views instead (``ShmLease``); those leases
 are taken with FLAG_HOLD, never expire, and end with ``ShmLease.release``.
@@ -36,13 +40,13 @@ A connection is NOT thread-safe: one per thread. Frames: ``proto/dataplane.md``.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import struct
 import time
 
 import xxhash
 
+from kvstore_client.arenamap import map_arena, unmap_arena
 from kvstore_client.buffers import byte_view
 from kvstore_client.directory import ONE_SIDED_READS, DirectoryReader
 from kvstore_client.errors import (
@@ -58,8 +62,10 @@ from kvstore_client.hostid import machine_id
 from kvstore_client.keys import BlockKey, check_key
 from kvstore_client.transport import KEYS_PER_FRAME, DataPlaneConnection, _connect, _raise_first, _split
 from kvstore_client.wire import (
+    FLAG_ABORT,
     FLAG_HOLD,
     FLAG_NO_REPLY,
+    FLAG_REGRANT,
     LEASE_ITEM,
     RESERVED_ITEM,
     U64,
@@ -67,12 +73,14 @@ from kvstore_client.wire import (
     Status,
     error_for,
     key_entry,
+    put_entry,
     reserve_entry,
 )
 
 log = logging.getLogger(__name__)
 TOUCH_BATCH = 64  # one-sided reads reported to the node in one TOUCH frame
 TOUCH_DELAY = 0.25  # seconds a one-sided read waits, at most, to be reported (checked on the next read)
+GRANT_MAX_BYTES = 16 << 20  # puts up to this size (and 1/16 of the arena) keep a grant for the next one
 
 _checksum = xxhash.xxh3_64_intdigest
 _LEASE, _OK, _NOT_FOUND = int(Op.LEASE), int(Status.OK), int(Status.NOT_FOUND)
@@ -126,6 +134,7 @@ class ShmConnection(DataPlaneConnection):
         self.lease_ttl: float | None = None if ttl is None else float(ttl)  # the node's, from INFO
         self._directory: DirectoryReader | None = None
         self._touch_due = _NEVER  # when the oldest unreported one-sided read must be reported
+        self._grant: tuple | None = None  # (id, sizes, offsets): arena space the node set aside for the next put
         try:
             self._mem = self._map_arena(arena_name)
             if one_sided and ONE_SIDED_READS:
@@ -143,14 +152,10 @@ class ShmConnection(DataPlaneConnection):
             raise ConfigError(f"arena {name!r} is not the node's (it serves {info['arena']!r})")
         path = os.path.join(os.path.dirname(info["arena_path"]), name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            self._arena, view = map_arena(path)
         except OSError as exc:
             raise TransportError(f"cannot map the node's arena {path}: {exc}") from exc
-        try:
-            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        return memoryview(self._mmap)
+        return view
 
     def _map_directory(self) -> DirectoryReader | None:
         """The node's block directory, or None (an older node, or one without a directory)."""
@@ -428,22 +433,84 @@ class ShmConnection(DataPlaneConnection):
 
     # -- writes ------------------------------------------------------------------------------
     def _put(self, ready: dict[int, tuple], results: list) -> None:
+        """Write each chunk into arena space the node set aside, then have it published: into
+        the grant left by the previous put when the sizes match (one STORE round trip; the
+        node checksums the arena bytes), else RESERVE, copy, COMMIT with the checksums. Both
+        ask for a grant of the same sizes for the next put (REGRANT)."""
         costs = {i: len(view) for i, (_, view, _) in ready.items()}
         for chunk in _split(list(ready), costs, self.max_frame_bytes, KEYS_PER_FRAME):
-            reservation_id, items = self._reserve(ready, chunk)
-            statuses = {i: status for i, (status, _) in zip(chunk, items)}
-            if reservation_id:
-                checksums = []
-                for i, (status, offset) in zip(chunk, items):
-                    view = ready[i][1]
-                    if status == Status.OK:
-                        self._mem[offset : offset + len(view)] = view
-                    checksums.append(_checksum(view) if status == Status.OK else 0)
-                with self._stream():
-                    table = U64.pack(reservation_id) + struct.pack(f"<{len(chunk)}Q", *checksums)
-                    self._statuses(Op.COMMIT, chunk, self._send(Op.COMMIT, len(chunk), table), statuses)
-            for i in chunk:
-                results[i] = None if statuses[i] == Status.OK else error_for(statuses[i])
+            sizes = [len(ready[i][1]) for i in chunk]
+            grant, self._grant = self._grant, None
+            if grant is not None and grant[1] == sizes:
+                statuses = self._store(grant[0], [ready[i] for i in chunk], grant[2])
+            else:
+                if grant is not None:
+                    self._drop_grant(grant)
+                statuses = self._reserve_and_commit(ready, chunk)
+            for i, status in zip(chunk, statuses):
+                results[i] = None if status == Status.OK else error_for(status)
+
+    def _store(self, grant_id: int, items: list[tuple], offsets: list[int]) -> list[int]:
+        """Copy ``items`` (key, view, depth) into a grant's space and STORE them (REGRANT)."""
+        table = [U64.pack(grant_id)]
+        for (key, view, depth), offset in zip(items, offsets):
+            self._mem[offset : offset + len(view)] = view
+            table.append(put_entry(key, depth, len(view), 0))  # checksum 0: the node computes it
+        with self._stream():
+            return self._publish(Op.STORE, b"".join(table), [len(v) for _, v, _ in items])
+
+    def _reserve_and_commit(self, ready: dict[int, tuple], chunk: list[int]) -> list[int]:
+        reservation_id, items = self._reserve(ready, chunk)
+        statuses = [status for status, _ in items]
+        if not reservation_id:
+            return statuses
+        checksums = []
+        for i, (status, offset) in zip(chunk, items):
+            view = ready[i][1]
+            if status == Status.OK:
+                self._mem[offset : offset + len(view)] = view
+            checksums.append(_checksum(view) if status == Status.OK else 0)
+        with self._stream():
+            table = U64.pack(reservation_id) + struct.pack(f"<{len(chunk)}Q", *checksums)
+            committed = self._publish(Op.COMMIT, table, [len(ready[i][1]) for i in chunk])
+        return [s if s != Status.OK else c for s, c in zip(statuses, committed)]
+
+    def _publish(self, op: int, table: bytes, sizes: list[int]) -> list[int]:
+        """Send a COMMIT or STORE; its statuses. Small puts ask for a grant of the same sizes
+        for the next put (larger ones would hold too much DRAM idle, and gain little)."""
+        regrant = sum(sizes) <= min(GRANT_MAX_BYTES, len(self._mem) // 16)
+        request_id = self._send(op, len(sizes), table, flags=FLAG_REGRANT if regrant else 0)
+        if not regrant:
+            statuses = [Status.OK] * len(sizes)
+            self._statuses(op, list(range(len(sizes))), request_id, statuses)
+            return statuses
+        return self._statuses_and_grant(op, request_id, sizes)
+
+    def _statuses_and_grant(self, op: int, request_id: int, sizes: list[int]) -> list[int]:
+        """Read a REGRANT reply: the statuses, then keep the grant when all of it was granted."""
+        n = len(sizes)
+        if self._reply(op, request_id, n) != n + U64.size + n * RESERVED_ITEM.size:
+            raise ProtocolError("REGRANT reply body_len does not match its count")
+        body = self._reader.read(n + U64.size + n * RESERVED_ITEM.size)
+        statuses = list(body[:n])
+        grant_id = U64.unpack_from(body, n)[0]
+        granted = list(RESERVED_ITEM.iter_unpack(body[n + U64.size :]))
+        for (status, offset), size in zip(granted, sizes):
+            if status == Status.OK and offset + size > len(self._mem):
+                raise ProtocolError(f"the node granted {size} bytes at {offset}, outside its arena")
+        grant = (grant_id, sizes, [offset for _, offset in granted])
+        if grant_id and all(status == Status.OK for status, _ in granted):
+            self._grant = grant
+        elif grant_id:
+            self._drop_grant(grant)
+        return statuses
+
+    def _drop_grant(self, grant: tuple) -> None:
+        """Give a grant's space back (COMMIT with ABORT, no reply: stream order applies it)."""
+        if self._dead is None:
+            with self._stream():
+                table = U64.pack(grant[0]) + bytes(U64.size * len(grant[1]))
+                self._send(Op.COMMIT, len(grant[1]), table, flags=FLAG_ABORT | FLAG_NO_REPLY)
 
     def _reserve(self, ready: dict[int, tuple], chunk: list[int]) -> tuple[int, list[tuple[int, int]]]:
         """RESERVE arena space for the chunk's items: (reservation id, [(status, offset)])."""
@@ -469,11 +536,11 @@ class ShmConnection(DataPlaneConnection):
             directory.close()
         mem, self._mem = getattr(self, "_mem", None), None
         if mem is not None:
-            mem.release()
             try:
-                self._mmap.close()
+                mem.release()
             except BufferError:  # a caller still holds a leased view: the GC unmaps later
                 pass
+            unmap_arena(self._arena)
 
 
 __all__ = ["ShmConnection", "ShmLease"]

@@ -50,9 +50,10 @@ U64 = struct.Struct("<Q")
 
 # Header flags.
 FLAG_REPLY = 0x1  # set on every frame a node sends
-FLAG_NO_REPLY = 0x2  # RELEASE and TOUCH: the node sends nothing back
+FLAG_NO_REPLY = 0x2  # RELEASE, TOUCH and COMMIT with ABORT: the node sends nothing back
 FLAG_ABORT = 0x4  # COMMIT only: revoke the reservations instead of publishing them
 FLAG_HOLD = 0x8  # LEASE only: the leases never expire (held until RELEASE or the connection ends)
+FLAG_REGRANT = 0x10  # COMMIT and STORE: also grant the same sizes again, for the next STORE
 
 
 class Op(IntEnum):
@@ -69,6 +70,7 @@ class Op(IntEnum):
     COMMIT = 10
     TOUCH = 11
     PULL = 12
+    STORE = 13
 
 
 class Status(IntEnum):

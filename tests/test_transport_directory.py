@@ -200,6 +200,7 @@ def test_a_killed_node_stops_serving_one_sided_reads(tmp_path):
         keys = [key(f"killed-{i}") for i in range(8)]
         values = [value_for(k, 32 * KiB) for k in keys]
         with Client(master.record["master"]) as client:
+            wait_for(lambda: any(n.alive for n in client.cluster_status().nodes))
             client.batch_put(keys, values)
             assert client.batch_get(keys) == values
             conn = next(iter(client._local.conns.values()))

@@ -24,10 +24,12 @@ from kvstore_client.transport import ShmConnection, TcpConnection, UnixConnectio
 from kvstore_client.wire import (
     FLAG_ABORT,
     FLAG_NO_REPLY,
+    FLAG_REGRANT,
     GET_ITEM,
     HEADER,
     LEASE_ITEM,
     MAX_ITEMS,
+    RESERVED_ITEM,
     U64,
     Op,
     Status,
@@ -241,6 +243,72 @@ def test_commit_abort_revokes_and_count_mismatch_is_a_bad_frame(server):
         expect_error_and_close(sock, Status.BAD_FRAME)
     wait_until(lambda: no_connections(server))
     assert not store.exists(target) and store.stats()["dram"]["used"] == used
+
+
+def regrant_reply(body: bytes, count: int) -> tuple[list[int], int, list[tuple[int, int]]]:
+    """(statuses, grant id, [(status, offset)]) of a COMMIT or STORE reply sent with REGRANT."""
+    grant = U64.unpack_from(body, count)[0]
+    return list(body[:count]), grant, list(RESERVED_ITEM.iter_unpack(body[count + 8 :]))
+
+
+def test_grants_store_named_blocks_and_refuse_mismatches(server):
+    store = server.store
+    wait_until(lambda: no_connections(server))
+    used = store.stats()["dram"]["used"]
+    first, second, third = key("granted-1"), key("granted-2"), key("granted-3")
+    value = b"g" * (64 * KiB)
+    entry = struct.pack("<BBIQ", 2, 16, 3, len(value)) + b"ns" + first[1]
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.RESERVE, 1, 1, len(entry)) + entry)
+        reservation = U64.unpack_from(read_reply(sock)[4])[0]
+        checksum = xxhash.xxh3_64_intdigest(value)
+        sock.sendall(pack_header(Op.COMMIT, 2, 1, 16, flags=FLAG_REGRANT) + U64.pack(reservation) + U64.pack(checksum))
+        statuses, grant, granted = regrant_reply(read_reply(sock)[4], 1)
+        assert statuses == [Status.CHECKSUM_MISMATCH]  # nothing was written into the reservation
+        assert grant and granted[0][0] == Status.OK
+        offset = granted[0][1]
+        store._dram._mem[offset : offset + len(value)] = value  # what a same-host writer does through its mapping
+        body = U64.pack(grant) + put_entry(second, 7, len(value), 0)  # checksum 0: the node computes it
+        sock.sendall(pack_header(Op.STORE, 3, 1, len(body), flags=FLAG_REGRANT) + body)
+        statuses, grant, granted = regrant_reply(read_reply(sock)[4], 1)
+        assert statuses == [Status.OK] and store.get(second) == value and store._table[second].depth == 7
+        body = U64.pack(grant) + put_entry(third, 0, len(value) - 1, 0)  # not the granted size
+        sock.sendall(pack_header(Op.STORE, 4, 1, len(body)) + body)
+        assert read_reply(sock)[4] == bytes([Status.INVALID_VALUE])
+        sock.sendall(pack_header(Op.COMMIT, 5, 1, 16, flags=FLAG_REGRANT) + U64.pack(grant) + bytes(8))
+        expect_error_and_close(sock, Status.UNKNOWN_LEASE)  # that grant is gone: a STORE consumes it
+    wait_until(lambda: no_connections(server))
+    assert not store.exists(first) and not store.exists(third)
+    store.remove(second)
+    assert store.stats()["dram"]["used"] == used  # grants left open ended with the connection
+
+
+def test_a_grant_cannot_be_committed_without_keys_and_abort_needs_no_reply(server):
+    store = server.store
+    wait_until(lambda: no_connections(server))
+    used = store.stats()["dram"]["used"]
+    value = b"a" * 4096
+    entry = struct.pack("<BBIQ", 2, 16, 0, len(value)) + b"ns" + key("to-abort")[1]
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.RESERVE, 1, 1, len(entry)) + entry)
+        reservation = U64.unpack_from(read_reply(sock)[4])[0]
+        sock.sendall(pack_header(Op.COMMIT, 2, 1, 16, flags=FLAG_ABORT | FLAG_REGRANT) + U64.pack(reservation)
+                     + bytes(8))
+        _, grant, _ = regrant_reply(read_reply(sock)[4], 1)
+        sock.sendall(pack_header(Op.COMMIT, 3, 1, 16) + U64.pack(grant) + bytes(8))  # a grant names no key
+        assert read_reply(sock)[4] == bytes([Status.INVALID_KEY])
+        sock.sendall(pack_header(Op.COMMIT, 4, 1, 16, flags=FLAG_ABORT | FLAG_REGRANT) + U64.pack(reservation)
+                     + bytes(8))
+        expect_error_and_close(sock, Status.UNKNOWN_LEASE)
+    wait_until(lambda: no_connections(server))
+    assert store.stats()["dram"]["used"] == used
+    with raw(server) as sock:  # ABORT with NO_REPLY: the next reply is the PING's
+        sock.sendall(pack_header(Op.RESERVE, 1, 1, len(entry)) + entry)
+        reservation = U64.unpack_from(read_reply(sock)[4])[0]
+        sock.sendall(pack_header(Op.COMMIT, 2, 1, 16, flags=FLAG_ABORT | FLAG_NO_REPLY) + U64.pack(reservation)
+                     + bytes(8) + pack_header(Op.PING, 3, 0, 0))
+        assert read_reply(sock)[:3] == (Op.PING, Status.OK, 3)
+        assert store.stats()["dram"]["used"] == used
 
 
 def test_refused_items_are_drained_and_the_stream_stays_in_sync(server):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvstore_client.errors import ReservationError
+from kvstore_client.errors import InvalidValue, ReservationError
 
 if TYPE_CHECKING:
     from kvstore.node.store import BlockStore
@@ -16,7 +16,7 @@ class Reservation:
 
     Write the value into ``buffer`` (a writable memoryview of exactly the
     reserved size), then ``commit()`` to publish it or ``revoke()`` to free the
-    space. As a context manager it commits on success and revokes on error; a
+    space. A granted reservation has no key until ``bind``. As a context manager it commits on success and revokes on error; a
     reservation dropped without either is revoked when collected.
     Not meant to be shared between threads.
     """
@@ -42,12 +42,22 @@ class Reservation:
             raise ReservationError("reservation is closed")
         return self._extent.offset
 
+    def bind(self, key, depth: int = 0) -> None:
+        """Name the block a keyless reservation (``BlockStore.grant``) will hold."""
+        if self._extent is None:
+            raise ReservationError("reservation is closed")
+        if depth < 0:
+            raise InvalidValue("depth cannot be negative")
+        self.key, self.depth = self._store._check_key(key), depth
+
     def commit(self, expected_checksum: int | None = None) -> None:
         """Publish the written bytes under the key (checksummed now).
 
         With ``expected_checksum`` (the writer's XXH3-64 of what it sent), bytes
         that arrived damaged are revoked instead and ChecksumMismatch raised.
         """
+        if self.key is None:
+            raise ReservationError("a granted reservation must be bound to a key before it is committed")
         extent = self._take()
         self.buffer.release()
         self._store._commit(self.key, extent, self.depth, expected_checksum)

@@ -99,6 +99,16 @@ class BlockStore:
         self._tiering.poke()
         return Reservation(self, key, extent, depth)
 
+    def grant(self, size: int) -> Reservation:
+        """Reserve DRAM for a block whose key is not known yet (a same-host writer's next
+        put); ``bind`` it to a key before committing. Raises like ``reserve``."""
+        self._check_size(size)
+        extent = self._dram.reserve(size) or self._tiering.make_room(size)
+        if extent is None:
+            raise CapacityError(f"no room for a {size}-byte block: the DRAM tier holds only pinned or leased blocks")
+        self._tiering.poke()
+        return Reservation(self, None, extent, 0)
+
     def put(self, key: BlockKey, value, *, depth: int = 0) -> None:
         """Store ``value`` (any contiguous buffer) under ``key``, replacing an older value."""
         data = byte_view(value)

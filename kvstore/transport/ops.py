@@ -21,6 +21,7 @@ from kvstore_client.wire import (
     FLAG_ABORT,
     FLAG_HOLD,
     FLAG_NO_REPLY,
+    FLAG_REGRANT,
     GET_ITEM,
     KEY_HEAD,
     LEASE_ITEM,
@@ -252,25 +253,17 @@ def op_reserve(conn: "Connection", frame: "Frame") -> None:
     except BaseException:
         _revoke(group)
         raise
-    reservation_id = 0
-    if any(res is not None for res, _ in group):
-        reservation_id = conn.new_id()
-        conn.reservations[reservation_id] = group
-    U64.pack_into(table, 0, reservation_id)
+    U64.pack_into(table, 0, _register(conn, group))
     conn.reply(frame, frame.count, table)
 
 
 def op_commit(conn: "Connection", frame: "Frame") -> None:
-    """Publish (or with ABORT, revoke) the blocks of one RESERVE, verifying each checksum over the arena."""
+    """Publish (or with ABORT, revoke) the blocks of one RESERVE, verifying each checksum over
+    the arena; with REGRANT, also grant the same sizes again for the client's next STORE."""
     if frame.body_len != U64.size * (frame.count + 1):
         raise _bad(f"COMMIT of {frame.count} items needs {U64.size * (frame.count + 1)} body bytes")
     reservation_id, *checksums = struct.unpack(f"<{frame.count + 1}Q", conn.reader.read(frame.body_len))
-    group = conn.reservations.pop(reservation_id, None)
-    if group is None:
-        raise ProtocolError(f"unknown reservation id {reservation_id}", Status.UNKNOWN_LEASE)
-    if len(group) != frame.count:
-        _revoke(group)
-        raise _bad(f"COMMIT has {frame.count} checksums for {len(group)} reserved items")
+    group = _take_group(conn, reservation_id, frame.count)
     out = bytearray(frame.count)
     try:
         for i, (res, status) in enumerate(group):
@@ -278,14 +271,103 @@ def op_commit(conn: "Connection", frame: "Frame") -> None:
                 out[i] = status
             elif frame.flags & FLAG_ABORT:
                 res.revoke()
+            elif res.key is None:  # a grant is stored with STORE, which names the keys
+                out[i] = Status.INVALID_KEY
             else:
-                try:
-                    res.commit(checksums[i])
-                except KVStoreError as exc:
-                    out[i] = status_of(exc)
+                out[i] = _publish(res, checksums[i])
     finally:
         _revoke(group)  # only what a failure left open
-    conn.reply(frame, frame.count, out)
+    if frame.flags & FLAG_NO_REPLY and frame.flags & FLAG_ABORT:
+        return
+    _reply_statuses(conn, frame, out, [res.size if res is not None else 0 for res, _ in group])
+
+
+def op_store(conn: "Connection", frame: "Frame") -> None:
+    """Store blocks a same-host writer wrote into granted space: u64 grant id, then one PUT
+    entry (key, depth, size, checksum: 0 to have the node compute it) per granted item."""
+    if frame.body_len < U64.size:
+        raise _bad("STORE without a grant id")
+    if frame.body_len - U64.size > MAX_TABLE_BYTES:
+        raise ProtocolError("STORE table is too large", Status.FRAME_TOO_LARGE)
+    grant_id = U64.unpack(conn.reader.read(U64.size))[0]
+    entries = parse_table(conn.reader.read(frame.body_len - U64.size), frame.count, PUT_ENTRY)
+    group = _take_group(conn, grant_id, frame.count)
+    out = bytearray(frame.count)
+    try:
+        for i, ((res, status), (key, (_, _, depth, size, checksum))) in enumerate(zip(group, entries)):
+            if res is None:
+                out[i] = status
+            elif type(key) is int:
+                out[i] = key
+            elif size != res.size:
+                out[i] = Status.INVALID_VALUE
+            else:
+                try:
+                    res.bind(key, depth)
+                except KVStoreError as exc:
+                    out[i] = status_of(exc)
+                    continue
+                out[i] = _publish(res, checksum or None)
+    finally:
+        _revoke(group)
+    _reply_statuses(conn, frame, out, [entry[1][3] for entry in entries])
+
+
+def _publish(res, checksum: int | None) -> int:
+    try:
+        res.commit(checksum)
+    except KVStoreError as exc:
+        return status_of(exc)
+    return OK
+
+
+def _take_group(conn: "Connection", group_id: int, count: int) -> list:
+    """The reservation group (RESERVE or grant) ``group_id`` of this connection, for ``count`` items."""
+    group = conn.reservations.pop(group_id, None)
+    if group is None:
+        raise ProtocolError(f"unknown reservation id {group_id}", Status.UNKNOWN_LEASE)
+    if len(group) != count:
+        _revoke(group)
+        raise _bad(f"{count} items for a reservation of {len(group)}")
+    return group
+
+
+def _reply_statuses(conn: "Connection", frame: "Frame", statuses: bytearray, sizes: list[int]) -> None:
+    """One status byte per item; with REGRANT, then a grant of ``sizes`` (u64 id, RESERVED items)."""
+    if not frame.flags & FLAG_REGRANT:
+        conn.reply(frame, frame.count, statuses)
+        return
+    group = []
+    table = bytearray(U64.size + len(sizes) * RESERVED_ITEM.size)
+    try:
+        for i, size in enumerate(sizes):
+            res, status = None, OK
+            try:
+                res = conn.store.grant(size)
+            except KVStoreError as exc:
+                status = status_of(exc)
+            group.append((res, status))
+            RESERVED_ITEM.pack_into(table, U64.size + i * RESERVED_ITEM.size, status, 0 if res is None else res.offset)
+    except BaseException:
+        _revoke(group)
+        raise
+    U64.pack_into(table, 0, _register(conn, group))
+    conn.reply(frame, frame.count, bytes(statuses) + table)
+
+
+def _register(conn: "Connection", group: list) -> int:
+    """Keep a reservation group on the connection; its id (0 when nothing was reserved)."""
+    if not any(res is not None for res, _ in group):
+        return 0
+    group_id = conn.new_id()
+    conn.reservations[group_id] = group
+    return group_id
+
+
+def _revoke(group: list) -> None:
+    for res, _ in group:
+        if res is not None and res.open:
+            res.revoke()
 
 
 def op_pull(conn: "Connection", frame: "Frame") -> None:
@@ -313,12 +395,6 @@ def op_pull(conn: "Connection", frame: "Frame") -> None:
     conn.reply(frame, frame.count, out)
 
 
-def _revoke(group: list) -> None:
-    for res, _ in group:
-        if res is not None and res.open:
-            res.revoke()
-
-
 OPS = {
     Op.PING: op_ping,
     Op.INFO: op_info,
@@ -332,4 +408,5 @@ OPS = {
     Op.COMMIT: op_commit,
     Op.TOUCH: op_touch,
     Op.PULL: op_pull,
+    Op.STORE: op_store,
 }
