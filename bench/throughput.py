@@ -10,6 +10,7 @@ ratios are taken); this is its command line without click.
 from __future__ import annotations
 
 import argparse
+import os
 
 from kvstore.benchmark import OPS, TRANSPORTS, Settings, emit, run
 from kvstore.units import parse_size
@@ -36,6 +37,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; figures are medians")
     p.add_argument("--dram", default=None, help="DRAM of the pool started here (default: twice the working set)")
     p.add_argument("--no-redis", action="store_true", help="skip the Redis baselines")
+    p.add_argument("--shm-dir", help="directory (a tmpfs) for the arena of the pool started here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, metavar="FILE", help="write a PNG of GB/s against value size")
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
                         batch=args.batch, rounds=args.rounds, master=args.master,
                         dram=parse_size(args.dram) if args.dram else None, redis=not args.no_redis,
                         progress=not args.quiet)
+    if args.shm_dir:
+        os.environ["KVSTORE_SHM_DIR"] = args.shm_dir  # read by the pool process the benchmark starts
     emit(run(settings), args.json, args.plot)
 
 

@@ -64,6 +64,17 @@ def demo(data_dir, dram, ssd, blocks, block_size, policy, as_json) -> None:
 # -- services ------------------------------------------------------------------------------
 
 
+def _use_shm_dir(ctx, param, value):
+    """--shm-dir: where this process puts shared-memory arenas (read through KVSTORE_SHM_DIR)."""
+    import os
+
+    if value:
+        if not os.path.isdir(value):
+            raise click.BadParameter(f"{value} is not a directory", ctx, param)
+        os.environ["KVSTORE_SHM_DIR"] = value
+    return value
+
+
 def store_options(f):
     """Options shared by `node` and `up`: the node's tiers and eviction."""
     options = [
@@ -74,6 +85,10 @@ def store_options(f):
         click.option("--max-block", type=SIZE, default="16MiB", show_default=True, help="Largest block accepted."),
         click.option("--policy", type=click.Choice(["lru", "lfu", "length_aware"]), default="lru", show_default=True,
                      help="Eviction policy."),
+        click.option("--shm-dir", envvar="KVSTORE_SHM_DIR", default=None, callback=_use_shm_dir, expose_value=False,
+                     help="Directory (a tmpfs) for the shared-memory DRAM arena [default: /dev/shm; env "
+                          "KVSTORE_SHM_DIR]. One mounted with huge=within_size lets same-host clients copy "
+                          "blocks at memory speed."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -174,12 +189,17 @@ def node_record(storage) -> dict:
 
 
 def node_lines(storage) -> list[str]:
+    import os
+
+    from kvstore.tiers.arena import on_huge_pages
     from kvstore.units import format_size
 
     info, cfg = storage.info(), storage.config
+    arena = storage.store._dram.arena
+    pages = {True: "huge pages", False: "4 KiB pages", None: "page size unknown"}[on_huge_pages(os.path.dirname(arena.path))]
     lines = [f"kvstore node {info.node_id} serving blocks on {info.data_address}"
              + (f" and {info.unix_socket}" if info.unix_socket else ""),
-             f"  DRAM tier {format_size(cfg.dram_capacity)} in shared memory /{info.shm_arena}"]
+             f"  DRAM tier {format_size(cfg.dram_capacity)} in shared memory {arena.path} ({pages})"]
     if cfg.ssd_path:
         lines.append(f"  SSD tier {format_size(cfg.ssd_capacity)} under {cfg.ssd_path}")
     if info.metrics_address:
@@ -250,6 +270,8 @@ def keys(master_address, namespace, limit, as_json) -> None:
 @click.option("--rounds", type=int, default=5, show_default=True, help="Interleaved rounds (figures are medians).")
 @click.option("--dram", type=SIZE, default=None, help="DRAM of the pool started here (default: twice the working set).")
 @click.option("--no-redis", is_flag=True, help="Skip the Redis baselines (redis-py and redis-benchmark).")
+@click.option("--shm-dir", envvar="KVSTORE_SHM_DIR", default=None, callback=_use_shm_dir, expose_value=False,
+              help="Directory (a tmpfs) for the arena of the pool started here [default: /dev/shm].")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON: one record per (size, op, transport, clients).")
 @click.option("--plot", "plot_path", default=None, metavar="FILE", help="Write a PNG of GB/s against value size.")

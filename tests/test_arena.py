@@ -7,7 +7,9 @@ import signal
 import subprocess
 import sys
 
-from kvstore.tiers.arena import SharedArena, reap_stale_arenas, shm_dir
+import pytest
+
+from kvstore.tiers.arena import SharedArena, huge_pages_in, reap_stale_arenas, shm_dir
 
 CHILD = """
 import sys, time
@@ -70,3 +72,25 @@ def test_arena_larger_than_shared_memory_is_a_clear_error():
     with pytest.raises(ConfigError, match="shared memory"):
         SharedArena.create(too_big)
     assert set(os.listdir(shm_dir())) <= before  # nothing left behind
+
+
+MOUNTINFO = [
+    "22 1 0:21 / / rw,relatime - overlay overlay rw,lowerdir=/a",
+    "30 22 0:26 / /dev/shm rw,nosuid,nodev - tmpfs shm rw,size=65536k",
+    "31 22 0:27 / /mnt/huge rw,relatime - tmpfs kvhuge rw,size=8388608k,huge=within_size",
+    "32 22 0:28 / /mnt/huge/advise rw,relatime - tmpfs kvadvise rw,huge=advise",
+    "33 22 0:29 / /mnt/tlb rw,relatime - hugetlbfs hugetlbfs rw,pagesize=2M",
+]
+
+
+@pytest.mark.parametrize("path, expected", [
+    ("/dev/shm", False), ("/dev/shm/kvstore", False), ("/mnt/huge", True), ("/mnt/huge/arenas", True),
+    ("/mnt/huge/advise", False), ("/mnt/hugepages", False), ("/mnt/tlb/x", True), ("/tmp", False),
+])
+def test_huge_pages_come_from_the_innermost_mount(path, expected):
+    assert huge_pages_in(MOUNTINFO, path) is expected
+
+
+def test_no_mount_table_means_unknown():
+    assert huge_pages_in([], "/dev/shm") is None
+

@@ -79,3 +79,25 @@ def test_status_of_an_unreachable_master_is_a_clear_error():
     result = kvstore("status", "--master", "127.0.0.1:1")
     assert result.returncode != 0
     assert "Traceback" not in result.stderr and "unreachable" in (result.stderr + result.stdout).lower()
+
+
+def test_node_puts_its_arena_in_the_shm_dir_it_is_given(tmp_path):
+    from tests.processes import Service
+
+    arenas = tmp_path / "arenas"
+    arenas.mkdir()
+    up = Service(["up", "--port", "0", "--data-port", "0", "--metrics-port", "-1", "--data-dir", str(tmp_path / "d"),
+                  "--dram", "16MiB", "--ssd", "0", "--shm-dir", str(arenas)])
+    try:
+        assert os.path.exists(arenas / up.record["shm_arena"])
+        assert up.record["unix_socket"].startswith(str(arenas))
+        assert up.terminate() == 0
+        assert os.listdir(arenas) == []  # arena, block directory and socket all removed
+    finally:
+        up.close()
+
+
+def test_a_missing_shm_dir_is_a_clear_error(tmp_path):
+    result = kvstore("up", "--shm-dir", str(tmp_path / "nowhere"))
+    assert result.returncode == 2 and "not a directory" in result.stderr
+

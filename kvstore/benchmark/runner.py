@@ -12,6 +12,7 @@ from kvstore.benchmark.pool import HelperProcess, serve_pool
 from kvstore.benchmark.report import Progress, aggregate, label, records, targets
 from kvstore.benchmark.settings import BASELINES, MiB, Settings
 from kvstore.benchmark.workers import ClientGroup
+from kvstore.tiers.arena import on_huge_pages, shm_dir
 
 
 def run(settings: Settings) -> dict:
@@ -73,7 +74,8 @@ def _config(settings: Settings, dram: int, master) -> dict:
     return {"sizes": settings.sizes, "ops": settings.ops, "transports": settings.transports,
             "clients": settings.clients, "bytes_per_client": settings.bytes_per_client, "batch": settings.batch,
             "rounds": settings.rounds, "master": master, "pool_dram": None if master else dram,
-            "cpus": os.cpu_count()}
+            "pool_arena_dir": None if master else shm_dir(),
+            "pool_arena_huge_pages": None if master else on_huge_pages(shm_dir()), "cpus": os.cpu_count()}
 
 
 def _measures(settings: Settings, redis_py: bool) -> list[str]:

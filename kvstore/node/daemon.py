@@ -12,7 +12,7 @@ from kvstore_client.hostid import machine_id
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore.node.config import StoreConfig
 from kvstore.node.store import BlockStore
-from kvstore.tiers.arena import shm_dir
+from kvstore.tiers.arena import on_huge_pages, shm_dir
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,10 @@ class StorageNode:
 
             self.agent = MasterAgent(opts.master, self.info(), self.store).start()
         log.info("node %s serving data on %s", self.node_id, self.server.address)
+        arena_dir = os.path.dirname(self.store._dram.arena.path)
+        if on_huge_pages(arena_dir) is False:
+            log.info("the DRAM arena in %s is on 4 KiB pages: same-host copies run below memcpy speed; "
+                     "a tmpfs mounted with huge=within_size (--shm-dir) fixes that", arena_dir)
         return self
 
     def info(self) -> pb.NodeInfo:

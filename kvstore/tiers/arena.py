@@ -27,6 +27,39 @@ def shm_dir() -> str:
     return os.environ.get("KVSTORE_SHM_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
 
 
+def on_huge_pages(directory: str) -> bool | None:
+    """Whether files under ``directory`` get huge pages: a hugetlbfs, or a tmpfs mounted with
+    huge=always or huge=within_size. None when /proc/self/mountinfo cannot tell.
+
+    Same-host clients copy blocks out of the arena; on 4 KiB pages that copy runs at about
+    0.6-0.8 of memcpy (TLB misses), on 2 MiB pages at memcpy speed.
+    """
+    try:
+        with open("/proc/self/mountinfo") as mounts:
+            return huge_pages_in(mounts.read().splitlines(), os.path.realpath(directory))
+    except OSError:
+        return None
+
+
+def huge_pages_in(mountinfo: list[str], path: str) -> bool | None:
+    """``on_huge_pages`` for an absolute ``path``, from the lines of a mountinfo file."""
+    best = None
+    for line in mountinfo:
+        fields = line.split(" - ")
+        if len(fields) != 2:
+            continue
+        mount_point = fields[0].split()[4]
+        fs_type, _, super_options = (fields[1].split() + ["", ""])[:3]
+        inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+        if inside and (best is None or len(mount_point) >= len(best[0])):
+            best = (mount_point, fs_type, super_options)
+    if best is None:
+        return None
+    _, fs_type, super_options = best
+    options = super_options.split(",")
+    return fs_type == "hugetlbfs" or (fs_type == "tmpfs" and bool({"huge=always", "huge=within_size"} & set(options)))
+
+
 class SharedArena:
     """A fixed-size, writable, shared mapping; ``view`` is a memoryview over all of it.
 
