@@ -196,7 +196,8 @@ def node_lines(storage) -> list[str]:
 
     info, cfg = storage.info(), storage.config
     arena = storage.store._dram.arena
-    pages = {True: "huge pages", False: "4 KiB pages", None: "page size unknown"}[on_huge_pages(os.path.dirname(arena.path))]
+    huge = on_huge_pages(os.path.dirname(arena.path))
+    pages = {True: "huge pages", False: "4 KiB pages", None: "page size unknown"}[huge]
     lines = [f"kvstore node {info.node_id} serving blocks on {info.data_address}"
              + (f" and {info.unix_socket}" if info.unix_socket else ""),
              f"  DRAM tier {format_size(cfg.dram_capacity)} in shared memory {arena.path} ({pages})"]

@@ -164,9 +164,17 @@ def test_many_concurrent_clients(cluster):
 
 def test_metrics_endpoints(cluster):
     master, nodes = cluster
+    with Client(master.record["master"], prefer_shm=False) as client:
+        client.put(keys_of(1, "metrics")[0], b"m" * 5000)
     for url, name in ((master.record["metrics"], "kvstore_"), (nodes[0].record["metrics"], "kvstore_tier_used_bytes")):
         body = urllib.request.urlopen(f"http://{url}/metrics", timeout=5).read().decode()
         assert name in body and "# TYPE" in body
+    published = 0
+    for node in nodes:
+        body = urllib.request.urlopen(f"http://{node.record['metrics']}/metrics", timeout=5).read().decode()
+        published += int(float(next(line.split()[-1] for line in body.splitlines()
+                                    if line.startswith("kvstore_node_directory_blocks"))))
+    assert published == 1  # the block is readable without a round trip on the node that holds it
 
 
 def test_replicated_blocks_survive_a_node_loss(tmp_path):

@@ -97,10 +97,12 @@ class FakeSource:
             op, _, _, request_id, count, body_len = unpack_header(head)
             sock.recv(body_len, socket.MSG_WAITALL)
             if op == Op.INFO:
-                body = json.dumps({"max_frame_bytes": 8 * MiB, "max_block_bytes": 4 * MiB, "max_items": 65536}).encode()
+                info = {"max_frame_bytes": 8 * MiB, "max_block_bytes": 4 * MiB, "max_items": 65536}
+                body = json.dumps(info).encode()
                 sock.sendall(pack_header(op, request_id, 0, len(body), flags=FLAG_REPLY) + body)
                 continue
-            table = GET_ITEM.pack(Status.OK, self.size, self.checksum) + GET_ITEM.pack(Status.NOT_FOUND, 0, 0) * (count - 1)
+            table = GET_ITEM.pack(Status.OK, self.size, self.checksum)
+            table += GET_ITEM.pack(Status.NOT_FOUND, 0, 0) * (count - 1)
             sock.sendall(pack_header(op, request_id, count, len(table) + self.size, flags=FLAG_REPLY) + table)
             sock.sendall(bytes(self.sent))
             if self.sent < self.size:
@@ -115,7 +117,8 @@ def test_a_source_failing_mid_copy_leaves_nothing_half_copied(make_node, fault):
     target = make_node()
     size = 256 * KiB
     if fault == "dies mid-block":
-        source, error = FakeSource(size, sent=size // 3, checksum=xxhash.xxh3_64_intdigest(bytes(size))), ServiceUnavailable
+        checksum = xxhash.xxh3_64_intdigest(bytes(size))
+        source, error = FakeSource(size, sent=size // 3, checksum=checksum), ServiceUnavailable
     else:
         source, error = FakeSource(size, sent=size, checksum=12345), ChecksumMismatch
     try:

@@ -26,4 +26,10 @@ def node_metrics(node) -> list[tuple[str, str, str, dict, float]]:
     rows.append(("kvstore_node_pinned_blocks", "Pinned blocks.", "gauge", base, store["pinned"]))
     rows.append(("kvstore_node_inline_evictions_total", "Puts that had to evict inline.", "counter", base,
                  store["inline_evictions"]))
+    directory = node.store._dram.directory
+    if directory is not None:
+        rows.append(("kvstore_node_directory_blocks", "DRAM blocks same-host clients can read without a round trip.",
+                     "gauge", base, len(directory)))
+        rows.append(("kvstore_node_directory_unpublished_total", "Blocks left out of the block directory "
+                     "(bucket full: read with a lease instead).", "counter", base, directory.unpublished))
     return rows

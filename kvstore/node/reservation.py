@@ -16,8 +16,9 @@ class Reservation:
 
     Write the value into ``buffer`` (a writable memoryview of exactly the
     reserved size), then ``commit()`` to publish it or ``revoke()`` to free the
-    space. A granted reservation has no key until ``bind``. As a context manager it commits on success and revokes on error; a
-    reservation dropped without either is revoked when collected.
+    space. A granted reservation has no key until ``bind``. As a context
+    manager it commits on success and revokes on error; a reservation dropped
+    without either is revoked when collected.
     Not meant to be shared between threads.
     """
 

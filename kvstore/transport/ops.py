@@ -236,16 +236,24 @@ def op_put(conn: "Connection", frame: "Frame") -> None:
 
 def op_reserve(conn: "Connection", frame: "Frame") -> None:
     """Reserve arena space for a same-host writer: u64 reservation id, then (status, offset)."""
-    entries = conn.read_table(frame, RESERVE_ENTRY)
     store = conn.store
-    table = bytearray(U64.size + frame.count * RESERVED_ITEM.size)
+    wanted = [(key if type(key) is int else OK,
+               lambda k=key, size=size, depth=depth: store.reserve(k, size, depth=depth))
+              for key, (_, _, depth, size) in conn.read_table(frame, RESERVE_ENTRY)]
+    conn.reply(frame, frame.count, _reserved_table(conn, wanted))
+
+
+def _reserved_table(conn: "Connection", wanted: list[tuple]) -> bytearray:
+    """Reserve for each ``(status, reserve)`` whose status is OK (``reserve()`` gives a
+    Reservation) and keep the group on the connection: u64 id, then (status, offset) each."""
+    table = bytearray(U64.size + len(wanted) * RESERVED_ITEM.size)
     group = []
     try:
-        for i, (key, (_, _, depth, size)) in enumerate(entries):
-            res, status = None, key if type(key) is int else OK
+        for i, (status, reserve) in enumerate(wanted):
+            res = None
             if status == OK:
                 try:
-                    res = store.reserve(key, size, depth=depth)
+                    res = reserve()
                 except KVStoreError as exc:
                     status = status_of(exc)
             group.append((res, status))
@@ -254,7 +262,7 @@ def op_reserve(conn: "Connection", frame: "Frame") -> None:
         _revoke(group)
         raise
     U64.pack_into(table, 0, _register(conn, group))
-    conn.reply(frame, frame.count, table)
+    return table
 
 
 def op_commit(conn: "Connection", frame: "Frame") -> None:
@@ -337,22 +345,8 @@ def _reply_statuses(conn: "Connection", frame: "Frame", statuses: bytearray, siz
     if not frame.flags & FLAG_REGRANT:
         conn.reply(frame, frame.count, statuses)
         return
-    group = []
-    table = bytearray(U64.size + len(sizes) * RESERVED_ITEM.size)
-    try:
-        for i, size in enumerate(sizes):
-            res, status = None, OK
-            try:
-                res = conn.store.grant(size)
-            except KVStoreError as exc:
-                status = status_of(exc)
-            group.append((res, status))
-            RESERVED_ITEM.pack_into(table, U64.size + i * RESERVED_ITEM.size, status, 0 if res is None else res.offset)
-    except BaseException:
-        _revoke(group)
-        raise
-    U64.pack_into(table, 0, _register(conn, group))
-    conn.reply(frame, frame.count, bytes(statuses) + table)
+    grant = _reserved_table(conn, [(OK, lambda size=size: conn.store.grant(size)) for size in sizes])
+    conn.reply(frame, frame.count, bytes(statuses) + grant)
 
 
 def _register(conn: "Connection", group: list) -> int:
