@@ -16,16 +16,20 @@ of the per-round ratios of a measure to its baseline:
   sendall, the client recv_into's it (rotating over a working set of the
   same size, so both read cold memory);
 - ``shm_get``: ShmConnection.get_into of the same blocks, one key per call
-  (LEASE round trip, copy out of the node's arena, checksum verify; the
-  lease is released with the next request), against two baselines:
-  ``memcpy``, numpy.copyto from a cold set of anonymous buffers of the same
-  size into one buffer (anonymous memory gets transparent huge pages), and
-  ``shm_memcpy``, numpy.copyto from a mapping of a /dev/shm file (a
-  SharedArena like the node's, 4 KiB pages) into that buffer: the least work
-  any shared-memory read path must do. ``shm_get_vs_memcpy`` says how close a
+  (a one-sided read: look the key up in the node's block directory, copy out
+  of the arena, validate the slot and the checksum; no round trip), against
+  two baselines: ``memcpy``, numpy.copyto from a cold set of anonymous
+  buffers of the same size into one buffer (anonymous memory gets
+  transparent huge pages), and ``shm_memcpy``, numpy.copyto from a mapping
+  of a file in the arena directory (a SharedArena like the node's: 4 KiB
+  pages on /dev/shm, huge pages on a tmpfs mounted with huge=within_size,
+  see ``KVSTORE_SHM_DIR``) into that buffer: the least work any
+  shared-memory read path must do. ``shm_get_vs_memcpy`` says how close a
   read comes to copying between private buffers, ``shm_get_vs_shm_memcpy``
-  how much of a read's time is the protocol (round trip, verification,
-  Python) rather than the copy itself;
+  how much of a read's time is the protocol (lookup, verification, Python)
+  rather than the copy itself. ``shm_get_noverify`` is the same read
+  validated by the directory slot alone, ``shm_get_leased`` the read that
+  asks the node for a lease first (one round trip);
 - ``shm_get_batch16``: get_into_many of 16 keys into 16 buffers, against
   ``memcpy_16dst``: numpy.copyto from anonymous buffers into the same 16
   buffers in turn;
@@ -48,7 +52,7 @@ import numpy as np
 
 from bench.common import emit, markdown_table, median_rate
 from bench.node_process import NodeProcess, bench_keys
-from kvstore.tiers.arena import SharedArena
+from kvstore.tiers.arena import SharedArena, on_huge_pages, shm_dir
 from kvstore.units import parse_size
 from kvstore_client.transport import ShmConnection, TcpConnection
 
@@ -69,6 +73,8 @@ RATIOS = [  # (measure, its baseline): each ratio the median over rounds of the 
     ("tcp_get", "raw_socket"),
     ("shm_get", "memcpy"),
     ("shm_get", "shm_memcpy"),
+    ("shm_get_noverify", "memcpy"),
+    ("shm_get_leased", "memcpy"),
     ("shm_get_batch16", "memcpy_16dst"),
 ]
 
@@ -118,6 +124,8 @@ def bench_1mib(size: int, working_set: int, repeats: int, tmp: str) -> dict:
         tcp = TcpConnection(node.info["address"])
         tcp_fast = TcpConnection(node.info["address"], verify=False)
         shm = ShmConnection(node.info["unix_path"])
+        shm_noverify = ShmConnection(node.info["unix_path"], verify=False)
+        shm_leased = ShmConnection(node.info["unix_path"], one_sided=False)
 
         def each(conn):
             def run() -> int:
@@ -143,13 +151,15 @@ def bench_1mib(size: int, working_set: int, repeats: int, tmp: str) -> dict:
             "memcpy": copies(cold, dst, count, size),
             "shm_memcpy": copies(shm_cold, dst, count, size),
             "shm_get": each(shm),
+            "shm_get_noverify": each(shm_noverify),
+            "shm_get_leased": each(shm_leased),
             "memcpy_16dst": memcpy_rotating,
             "shm_get_batch16": shm_batched,
         }
         rates = interleaved(measures, repeats)
         check = shm.get(keys[-1])
         assert check is not None and len(check) == size and check == tcp.get(keys[-1])
-        for conn in (tcp, tcp_fast, shm):
+        for conn in (tcp, tcp_fast, shm, shm_noverify, shm_leased):
             conn.close()
         raw_sock.close()
     del shm_cold
@@ -188,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         batch = bench_batch(64 * KiB, args.batch_blocks, 64, args.repeats, tmp)
     result = {
         "size": args.size,
+        "arena_dir": shm_dir(),
+        "arena_huge_pages": on_huge_pages(shm_dir()),
         "single": single,
         "tcp_batch_64k": batch,
         "targets": {
@@ -205,8 +217,12 @@ def _table(result: dict) -> str:
     rows = [
         ["TCP get_into", s["tcp_get_gbps"], "raw socket", s["raw_socket_gbps"], s["tcp_get_vs_raw_socket"]],
         ["shm get_into", s["shm_get_gbps"], "memcpy (anonymous)", s["memcpy_gbps"], s["shm_get_vs_memcpy"]],
-        ["shm get_into", s["shm_get_gbps"], "memcpy from /dev/shm", s["shm_memcpy_gbps"],
+        ["shm get_into", s["shm_get_gbps"], "memcpy from the arena's tmpfs", s["shm_memcpy_gbps"],
          s["shm_get_vs_shm_memcpy"]],
+        ["shm get_into, checksum off", s["shm_get_noverify_gbps"], "memcpy (anonymous)", s["memcpy_gbps"],
+         s["shm_get_noverify_vs_memcpy"]],
+        ["shm get_into with a LEASE round trip", s["shm_get_leased_gbps"], "memcpy (anonymous)", s["memcpy_gbps"],
+         s["shm_get_leased_vs_memcpy"]],
         ["shm get_into_many (16 keys)", s["shm_get_batch16_gbps"], "memcpy into 16 buffers", s["memcpy_16dst_gbps"],
          s["shm_get_batch16_vs_memcpy_16dst"]],
     ]
