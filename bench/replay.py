@@ -23,7 +23,8 @@ pool load over time (sampled every ``--sample-s``) with its oscillation:
 standard deviation, mean absolute change between samples, and the
 correlation between prefill and decode load (anti-phase swings < 0); and, per
 admission mode, what the served requests asked of decode (mean context tokens,
-and tokens x output length summed, in 10^9 token-steps).
+served requests per prompt length, and tokens x output length summed, in 10^9
+token-steps).
 
 Overload, arXiv §7-8.2 (paper, 8P+8D, its 23k trace at 2x: rejected 4183
 baseline, 3771 early, 3589 prediction). Whole trace, 3 seeds (``--jitter-s 1``:
@@ -36,41 +37,36 @@ each arrival delayed by a seeded uniform [0, 1) s; rejected requests per seed 0/
 
     python -m bench.replay --trace ../shared/data/conversation_trace.jsonl --table admission \
         --prefill 8 --decode 1 --speed 2 --jitter-s 1 --seeds 0,1,2
-    # none       1513/1426/1480 (492-498 at arrival + 930-1021 after prefill, 1596-1752 s prefill wasted)
-    # early      2956/2970/2948 (0 after prefill)
+    # none       2527/2464/2490 (492-498 at arrival + 1968-2035 after prefill, 1617-1715 s prefill wasted)
+    # early      3068/3123/3209 (0 after prefill)
     # prediction 2678/2790/2843 (0 after prefill)
-    # served decode work (10^9 token-steps): none 36.3, early 35.1-35.3, prediction 36.2-36.3
-    # served mean context tokens: none 9.4k, early 10.3-10.5k, prediction 10.7-10.8k
 
-(``--prefill 8 --decode 1 --speed 1.5``: none 584/547/564, early 1111/1124/1102,
-prediction 1135/1061/1106.) Each whole-trace replay takes 2-5 s.
+(``--prefill 8 --decode 1 --speed 1.5``: none 957/921/907, early 1123/1154/1165,
+prediction 1135/1061/1106.)
 
-Why 8P+1D: with this cost model one decode instance holds 1.33M context tokens
-(HBM, at 64 ms a step, inside the 0.1 s TBT SLO), so 8 decode instances carry
-the 2x trace at 5% of their capacity and the three modes cannot differ;
-one is the size at which decode is the bottleneck (two already carry it at
-about 0.3 of capacity). The paper's cluster evidently ran out of decode at 8D;
-ours only does at 1D.
+Why 8P+1D: at 1x it carries the trace (prefill 66% busy, decode at 0.41 of
+its KV memory; only the 136-139 prompts too long to prefill within the TTFT SLO
+are turned away) and 2x overloads both pools, as the paper's 8P+8D at 2x did.
+With this cost model one decode instance holds 1.33M context tokens (HBM, at
+64 ms a step, inside the 0.1 s TBT SLO), so 8 of them carry the 2x trace at
+5% of capacity and the three modes cannot differ.
 
-Where it differs from the paper: prediction < early holds at 2x (all seeds; at
-1.5x the two are within seed noise), no early mode wastes prefill, but
-``none`` rejects the fewest. Decode is the binding resource here, and all
-three modes serve the same decode work (36 x 10^9 token-steps; early 3% less,
-the cost of its oscillation), so the counts differ by *which* requests are
-served: ``none`` checks decode exactly when the request gets there, "does it
-fit in the room left now", which turns away the large requests and lets the
-small ones fill the gaps (served mean 9.4k tokens); the early modes decide
-16-20 s ahead (the TTFT, mostly prefill queue), about as long as a decode
-lasts here (~340 output tokens at up to 64 ms), so they cannot pack that
-tightly, and the prediction, which sees only requests admitted so far,
-predicts a lower load the further ahead it looks, so it favours requests with
-long prefills (large ones). Saving the wasted prefill buys little: the TTFT
-check in ``none`` rejects 492-498 (those rejections already include the
-prefill queued for requests that decode will turn away), early cuts that to
-233-265, but prefill is not what limits the served count. The paper's Table
-3 trend needs prefill to be the constraint that wasted prefill tightens;
-with the count as the metric and decode binding, the baseline's size-selective
-late check wins here.
+Where it differs from the paper: prediction < early holds and no early mode
+wastes prefill, but ``none`` still rejects the fewest. The decode checks read
+the decode side's load (``kvstore.scheduler.admission``); asking whether each
+request still fits, as before, let ``none`` pack the last gaps of a full pool
+with small requests (1,426-1,513 rejected). What remains is the mix. Decode
+binds and every mode serves about the same decode work (35.3-36.5 x 10^9
+token-steps), so the count depends on which requests get through. The wasted
+prefill does lengthen ``none``'s prefill queues (mean TTFT 19.7-19.8 s, early
+11.9-12.2 s) and its TTFT check turns more away (492-498, early 261-284), but
+those are the longest prompts, which also hold the most decode memory: early
+serves 400-421 prompts of 32-64k tokens and 31-37 over 64k against 346-356
+and 1-2, and 246-337 fewer under 8k. The prediction counts only requests
+already admitted, so it sees a far-off pool emptier than it will be and lets
+long prefills in while turning short prompts away (4,849-4,992 served under
+8k against 5,237-5,275); it serves the most tokens (99.4-100.1 M prompt +
+output, ``none`` 98.0-98.5 M, early 94.6-96.0 M). Each replay takes 1-4 s.
 """
 
 from __future__ import annotations
@@ -164,6 +160,7 @@ def summarise(result, ttft_slo: float, cost: CostModel) -> dict:
         "requests": len(reqs), "served": len(served),
         # decode work of the served requests: context tokens held, and held x steps (tokens x output length)
         "served_mean_tokens": round(sum(r.input_len + r.output_len for r in served) / max(len(served), 1)),
+        "served_by_input": served_by_input(served),
         "served_decode_gtoken_steps": round(sum((r.input_len + r.output_len) * r.output_len for r in served) / 1e9, 2),
         "mean_ttft_s": round(float(ttft.mean()), 3), "p50_ttft_s": round(float(p50), 3),
         "p90_ttft_s": round(float(p90), 3), "p99_ttft_s": round(float(p99), 3),
@@ -182,6 +179,15 @@ def summarise(result, ttft_slo: float, cost: CostModel) -> dict:
     }
     out.update(oscillation(result.samples))
     return out
+
+
+INPUT_BANDS = (8_000, 32_000, 64_000)
+
+
+def served_by_input(served: list) -> str:
+    """Served requests per prompt length, "<8k/8-32k/32-64k/64k+": which sizes a mode lets through."""
+    counts = np.histogram([r.input_len for r in served], bins=(0, *INPUT_BANDS, math.inf))[0]
+    return "/".join(str(int(c)) for c in counts)
 
 
 def oscillation(samples: list) -> dict:
@@ -284,12 +290,13 @@ def _render(result: dict) -> str:
                                "prefix hit", "blocks moved", "wall s"], rows)
     if result.get("table") == "admission":
         rows = [[a, r["rejected"], r["rejected_by_reason"], r["rejected_at_arrival"], r["rejected_after_prefill"],
-                 r["wasted_prefill_s"], r["served_mean_tokens"], r["served_decode_gtoken_steps"],
+                 r["wasted_prefill_s"], r["served_mean_tokens"], r["served_by_input"], r["served_decode_gtoken_steps"],
                  r["mean_ttft_s"], r["decode_load_std"], r["decode_load_mean_abs_change"],
                  r["decode_over_slo_frac"], r["decode_wait_mean_s"], r["wall_seconds"]]
                 for a, r in result["runs"].items()]
         return markdown_table(["admission", "rejected", "why", "at arrival", "after prefill", "wasted prefill s",
-                               "served: mean tokens", "served: G token-steps", "mean TTFT s", "decode load std",
+                               "served: mean tokens", "served by input <8k/8-32k/32-64k/64k+",
+                               "served: G token-steps", "mean TTFT s", "decode load std",
                                "mean |change|", "decode over SLO", "decode wait s", "wall s"], rows)
     return "\n".join(f"{k}: {v}" for k, v in result.items() if k != "decode_load_series")
 

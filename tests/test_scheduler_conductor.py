@@ -93,21 +93,48 @@ def test_ttft_slo_rejects_at_arrival_when_every_prefill_instance_is_overloaded()
 
 def test_none_rejects_after_prefill_when_decode_is_full():
     c = make("none")
-    assert isinstance(run_to_decode(c, "big", 90_000, now=0.0), DecodeAssignment)
-    d = c.schedule(KEYS, 20_000, 100, now=1.0, request_id="late")
+    assert isinstance(run_to_decode(c, "big", 100_000, now=0.0), DecodeAssignment)  # the instance is full
+    d = c.schedule(KEYS, 2_000, 100, now=1.0, request_id="late")
     assert isinstance(d, Decision)  # no decode check at arrival
     c.prefill_started("late", now=1.0)
     r = c.prefill_finished("late", now=5.0)
     assert isinstance(r, Rejected) and (r.reason, r.stage) == (RejectReason.DECODE_OVERLOADED, "decode")
-    assert c.loads(5.0)["decode"]["d0"]["tokens"] == 90_000  # the wasted request left no trace
+    assert c.loads(5.0)["decode"]["d0"]["tokens"] == 100_000  # the wasted request left no trace
+
+
+def test_decode_check_reads_the_instance_load_not_the_request():
+    """Algorithm 1 compares the selected decode instance's TBT (its load) with the SLO: an instance
+    below its limit takes a request even when the request pushes it over (the engine queues it)."""
+    c = make("none")
+    assert isinstance(run_to_decode(c, "big", 90_000, now=0.0), DecodeAssignment)
+    out = run_to_decode(c, "late", 20_000, now=1.0)
+    assert isinstance(out, DecodeAssignment) and not out.within_slo
+    assert isinstance(run_to_decode(c, "tiny", 200, now=2.0), Rejected)  # now full: even a tiny one is turned away
 
 
 def test_early_rejects_at_arrival_on_current_decode_load():
     c = make("early")
-    assert isinstance(run_to_decode(c, "big", 90_000, now=0.0), DecodeAssignment)
-    r = c.schedule(KEYS, 20_000, 100, now=1.0)
+    assert isinstance(run_to_decode(c, "big", 100_000, now=0.0), DecodeAssignment)
+    r = c.schedule(KEYS, 2_000, 100, now=1.0)
     assert isinstance(r, Rejected) and (r.reason, r.stage) == (RejectReason.DECODE_OVERLOADED, "arrival")
-    assert isinstance(c.schedule(KEYS, 5_000, 100, now=1.0), Decision)  # a small one still fits
+    c.decode_finished("big", now=2.0)
+    assert isinstance(c.schedule(KEYS, 20_000, 100, now=2.0), Decision)  # room again
+
+
+def test_early_reads_the_whole_decode_pool():
+    """Early rejection compares the decode pool's load now with its limit: one full instance does not
+    turn a request away while another has room, even if requests in prefill are paired with that one."""
+    c = make("early", decode=2)
+    assert isinstance(run_to_decode(c, "a", 100_000, now=0.0), DecodeAssignment)  # d0 full
+    for i in range(2):  # paired with d1, still in prefill
+        assert isinstance(c.schedule(KEYS, 74_900, 100, now=1.0, request_id=f"q{i}"), Decision)
+    assert c.loads(1.0)["decode"]["d0"]["tokens"] == 100_000 and c.decode_pool_load() == 0.5
+    assert isinstance(c.schedule(KEYS, 2_000, 100, now=1.0), Decision)
+    for i in range(2):
+        c.prefill_started(f"q{i}", now=1.0)
+        assert isinstance(c.prefill_finished(f"q{i}", now=2.0), DecodeAssignment)
+    r = c.schedule(KEYS, 2_000, 100, now=2.0)  # 250k of 200k: the pool is full
+    assert isinstance(r, Rejected) and r.reason == RejectReason.DECODE_OVERLOADED
 
 
 def test_early_commits_admitted_requests_to_decode():
@@ -136,7 +163,7 @@ def test_prediction_admits_when_decode_will_have_drained_by_then():
         _warm_predictor(c, decode_time=2.0)
         c.report_prefill_load("p0", 5, 10.0, now=10.0)  # the request reaches decode in >= 10 s
         c.report_prefill_load("p1", 5, 10.0, now=10.0)
-        assert isinstance(run_to_decode(c, "big", 90_000, now=10.0), DecodeAssignment)
+        assert isinstance(run_to_decode(c, "big", 100_000, now=10.0), DecodeAssignment)  # decode full now
     assert isinstance(early.schedule(KEYS, 20_000, 100, now=10.0), Rejected)
     d = pred.schedule(KEYS, 20_000, 100, now=10.0)
     assert isinstance(d, Decision) and d.est_ttft_s > 10  # "big" will be gone by then

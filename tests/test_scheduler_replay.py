@@ -95,6 +95,7 @@ def test_admission_table_once_per_seed(capsys, tmp_path):
     assert set(runs) == {f"{a} seed={s}" for a in ("none", "early", "prediction") for s in (0, 1)}
     for r in runs.values():
         assert r["served"] + r["rejected"] == len(TRACE) and r["served_decode_gtoken_steps"] > 0
+        assert sum(int(n) for n in r["served_by_input"].split("/")) == r["served"]
 
 
 def test_cli_json_and_tables(tmp_path, capsys):

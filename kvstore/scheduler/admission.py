@@ -7,16 +7,25 @@ Four modes (``make_admission(name)``):
   TBT SLO.
 - ``none``: no early rejection, the paper's baseline. At arrival the prefill
   side refuses a request whose estimated TTFT exceeds the TTFT SLO; the decode
-  side is checked only when prefill is done, and a request no decode
-  instance can take within the TBT SLO is rejected then: its prefill is wasted.
-- ``early``: both checks at arrival, the decode one against the decode
-  instances' *current* load. An admitted request is committed: the decode
-  stage takes it even if the pool has filled meanwhile. Requests admitted
-  but still in prefill are invisible to the check, so admission overshoots,
-  then shuts, and decode load oscillates.
+  side is checked only when prefill is done, and a request whose decode
+  instance is full then is rejected: its prefill is wasted.
+- ``early``: both checks at arrival, the decode one against the decode pool's
+  *current* load (arXiv §7.2: the greater of the two pools' loads). An
+  admitted request is committed: the decode stage takes it even if the pool
+  has filled meanwhile (it waits there for KV memory). Requests admitted but
+  still in prefill are invisible to the check, so admission overshoots, then
+  shuts, and decode load oscillates.
 - ``prediction``: as ``early``, but the decode check is against the decode
   load *predicted for the moment the request would reach decode*
   (now + estimated TTFT), see :class:`DecodeLoadPredictor`.
+
+The decode checks of ``none`` and ``early`` read the decode side's load
+(context tokens over what it holds within the TBT SLO and its KV memory) and
+reject when it is full, whatever the request's size: Algorithm 1 compares the
+selected instance's TBT with the SLO (``SelectDecodingInstance(D)`` never sees
+the request), and one taken just below the limit waits for memory in the
+engine's queue. ``prediction`` follows §7.4: the requests that will have left
+prefill by the time this one does, this one included, against the pool's limit.
 
 Not thread-safe: the conductor calls these under its lock.
 """
@@ -67,8 +76,12 @@ class DecodeLoadPredictor:
     -0.31 over the first 200 s and -0.09 over the run with finished times
     only; -0.20 and -0.06 with the censored ones (the rest is mostly requests
     admitted later that reach decode first, which no arrival-time check can
-    see). With no request decoding the estimate is the plain fraction of
-    finished times longer than ``x``, as before.
+    see). That error grows with how far ahead the check looks (8P+1D, 2x:
+    -0.02 of the limit 10-15 s ahead, -0.07 at 20-25 s, -0.23 at 25-30 s), so
+    a request with a long prefill sees a pool emptier than it will be: the
+    paper's system-level prediction counts only requests already admitted.
+    With no request decoding the estimate is the plain fraction of finished
+    times longer than ``x``, as before.
     O((window + requests in flight) log) per prediction, vectorised.
     """
 

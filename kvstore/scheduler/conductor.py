@@ -6,7 +6,8 @@ same index the live master keeps), asks the prefill policy for a placement,
 pairs it with a decode instance (the least loaded, counting requests already
 paired and still in prefill; Algorithm 1 picks both at once because the KV
 cache streams from prefill to that decode instance), applies the admission
-mode, and returns a :class:`Decision` or a typed :class:`Rejected`.
+mode (:mod:`~kvstore.scheduler.admission`: which load is compared with which
+limit, and when), and returns a :class:`Decision` or a typed :class:`Rejected`.
 The engines then report the request's lifecycle: ``prefill_started``,
 ``prefill_finished`` (which places it on decode, or rejects it there under
 admission ``none``), ``decode_finished``.
@@ -49,7 +50,7 @@ INF = math.inf
 
 class RejectReason(str, Enum):
     TTFT_SLO = "ttft_slo"                          # estimated TTFT above the TTFT SLO
-    DECODE_OVERLOADED = "decode_overloaded"        # no decode instance meets the TBT SLO now
+    DECODE_OVERLOADED = "decode_overloaded"        # the decode instance (pool, at arrival) is at its limit now
     DECODE_PREDICTED = "decode_predicted_overloaded"  # predicted decode load too high at arrival in decode
     NO_INSTANCE = "no_instance"                    # no prefill or decode instance registered
 
@@ -199,9 +200,11 @@ class Conductor:
             if predicted > limit:
                 return Rejected(request_id, RejectReason.DECODE_PREDICTED, "arrival", ttft,
                                 f"predicted decode tokens {predicted:.0f} > {limit}")
-        elif not pick.fits:
-            return Rejected(request_id, RejectReason.DECODE_OVERLOADED, "arrival", ttft,
-                            f"TBT {pick.tbt_s * 1e3:.1f}ms above SLO on {pick.instance.instance_id}")
+        else:
+            load = self._decode_pool_load()
+            if load >= 1.0:
+                return Rejected(request_id, RejectReason.DECODE_OVERLOADED, "arrival", ttft,
+                                f"decode pool load {load:.2f} >= 1")
         return None
 
     def _decision(self, request_id, placement: Placement, pick, digests: list, input_len: int) -> Decision:
@@ -225,7 +228,7 @@ class Conductor:
 
     def prefill_finished(self, request_id, now: float | None = None) -> DecodeAssignment | Rejected:
         """Prefill done: the request moves to its paired decode instance (picked again if that one
-        left), or is rejected there when it is over the TBT SLO (admission ``none`` only)."""
+        left), or is rejected there when that instance is full (admission ``none`` only)."""
         now = self._now(now)
         with self._lock:
             req = self._get(request_id)
@@ -241,9 +244,9 @@ class Conductor:
             reject = None
             if pick.instance is None:
                 reject = Rejected(request_id, RejectReason.NO_INSTANCE, "decode", detail="no decode instance")
-            elif self.admission.reject_at_decode and not pick.fits:
+            elif self.admission.reject_at_decode and pick.full:
                 reject = Rejected(request_id, RejectReason.DECODE_OVERLOADED, "decode",
-                                  detail=f"TBT {pick.tbt_s * 1e3:.1f}ms above SLO on {pick.instance.instance_id}")
+                                  detail=f"{pick.instance.instance_id} load {pick.load:.2f} >= 1")
             if reject is not None:
                 del self._requests[request_id]
                 self.predictor.finished(request_id)
@@ -293,9 +296,12 @@ class Conductor:
     def decode_pool_load(self) -> float:
         """Context tokens assigned to decode / tokens the pool holds within the TBT SLO."""
         with self._lock:
-            ds = self.registry.decode_instances()
-            limit = sum(d.token_limit for d in ds)
-            return sum(d.tokens() for d in ds) / limit if limit else 0.0
+            return self._decode_pool_load()
+
+    def _decode_pool_load(self) -> float:
+        ds = self.registry.decode_instances()
+        limit = sum(d.token_limit for d in ds)
+        return sum(d.tokens() for d in ds) / limit if limit else 0.0
 
     def _get(self, request_id) -> _Request:
         try:

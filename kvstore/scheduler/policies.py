@@ -175,18 +175,25 @@ def make_prefill_policy(name: str, **options) -> PrefillPolicy:
 
 @dataclass(frozen=True)
 class DecodePick:
-    """A decode instance for a request, its step time with the request now, and whether that is
-    within the TBT SLO now."""
+    """A decode instance for a request: its step time with the request on top, whether that is
+    within the instance's limit, and the instance's load before the request."""
 
     instance: DecodeInstance | None
     tbt_s: float
     fits: bool
+    load: float = float("inf")
+
+    @property
+    def full(self) -> bool:
+        """The instance is at its limit already: Algorithm 1's decode check, which looks at the
+        selected instance's TBT (its load), not at the request."""
+        return self.load >= 1.0
 
 
 def decode_fit(inst: DecodeInstance, tokens: int, cost: CostModel) -> DecodePick:
     """``inst`` with ``tokens`` more context tokens on top of what it runs now."""
     now_tokens = inst.tokens() + tokens
-    return DecodePick(inst, cost.tbt(now_tokens), now_tokens <= inst.token_limit)
+    return DecodePick(inst, cost.tbt(now_tokens), now_tokens <= inst.token_limit, inst.load())
 
 
 def select_decode(instances: Sequence[DecodeInstance], tokens: int, cost: CostModel) -> DecodePick:
@@ -194,8 +201,9 @@ def select_decode(instances: Sequence[DecodeInstance], tokens: int, cost: CostMo
 
     Load = (running + reserved + ``tokens``) / token limit, so requests paired
     while still in prefill spread out; ``fits`` says whether the chosen
-    instance meets the TBT SLO with the request on top of what it runs now
-    (Algorithm 1's check). None when there is no decode instance.
+    instance meets its limit with the request on top of what it runs now,
+    ``full`` whether it is at its limit already. None when there is no decode
+    instance.
     """
     best = None
     best_load = 0.0

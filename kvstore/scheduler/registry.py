@@ -76,6 +76,10 @@ class DecodeInstance:
     def batch(self) -> int:
         return max(len(self.running), self.reported_batch)
 
+    def load(self) -> float:
+        """Context tokens held / the most it holds within the TBT SLO and its KV memory (>= 1: full)."""
+        return self.tokens() / self.token_limit if self.token_limit > 0 else float("inf")
+
 
 class Registry:
     """Prefill and decode instances by id, and which storage node each is attached to."""
