@@ -25,8 +25,8 @@ Blocks stored only on SSD that the node cannot bring into DRAM are read with
 GET over the socket.
 
 Writes: copy into arena space the node granted after the previous put and
-STORE (one round trip; the node checksums the bytes), when the sizes match
-that grant; else RESERVE (arena offsets), copy in, COMMIT with each value's
+STORE with the checksum of the source (one round trip; the node does not read
+the bytes back, readers verify them), when the sizes match that grant; else RESERVE (arena offsets), copy in, COMMIT with each value's
 checksum, which the node verifies over the arena bytes. Both replies carry a
 grant of the same sizes for the next put (REGRANT): a run of same-sized puts,
 the usual case for KV blocks, takes one round trip each.
@@ -434,9 +434,9 @@ class ShmConnection(DataPlaneConnection):
     # -- writes ------------------------------------------------------------------------------
     def _put(self, ready: dict[int, tuple], results: list) -> None:
         """Write each chunk into arena space the node set aside, then have it published: into
-        the grant left by the previous put when the sizes match (one STORE round trip; the
-        node checksums the arena bytes), else RESERVE, copy, COMMIT with the checksums. Both
-        ask for a grant of the same sizes for the next put (REGRANT)."""
+        the grant left by the previous put when the sizes match (one STORE round trip, with
+        the checksums of the sources), else RESERVE, copy, COMMIT with the checksums (which
+        the node verifies). Both ask for a grant of the same sizes for the next put (REGRANT)."""
         costs = {i: len(view) for i, (_, view, _) in ready.items()}
         for chunk in _split(list(ready), costs, self.max_frame_bytes, KEYS_PER_FRAME):
             sizes = [len(ready[i][1]) for i in chunk]
@@ -455,7 +455,7 @@ class ShmConnection(DataPlaneConnection):
         table = [U64.pack(grant_id)]
         for (key, view, depth), offset in zip(items, offsets):
             self._mem[offset : offset + len(view)] = view
-            table.append(put_entry(key, depth, len(view), 0))  # checksum 0: the node computes it
+            table.append(put_entry(key, depth, len(view), _checksum(view)))  # of the source: see op_store
         with self._stream():
             return self._publish(Op.STORE, b"".join(table), [len(v) for _, v, _ in items])
 

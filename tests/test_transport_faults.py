@@ -268,10 +268,12 @@ def test_grants_store_named_blocks_and_refuse_mismatches(server):
         assert grant and granted[0][0] == Status.OK
         offset = granted[0][1]
         store._dram._mem[offset : offset + len(value)] = value  # what a same-host writer does through its mapping
-        body = U64.pack(grant) + put_entry(second, 7, len(value), 0)  # checksum 0: the node computes it
+        body = U64.pack(grant) + put_entry(second, 7, len(value), checksum)  # the writer's checksum, taken as is
         sock.sendall(pack_header(Op.STORE, 3, 1, len(body), flags=FLAG_REGRANT) + body)
         statuses, grant, granted = regrant_reply(read_reply(sock)[4], 1)
         assert statuses == [Status.OK] and store.get(second) == value and store._table[second].depth == 7
+        with TcpConnection(server.address) as reader:
+            assert reader.get(second) == value
         body = U64.pack(grant) + put_entry(third, 0, len(value) - 1, 0)  # not the granted size
         sock.sendall(pack_header(Op.STORE, 4, 1, len(body)) + body)
         assert read_reply(sock)[4] == bytes([Status.INVALID_VALUE])
@@ -281,6 +283,29 @@ def test_grants_store_named_blocks_and_refuse_mismatches(server):
     assert not store.exists(first) and not store.exists(third)
     store.remove(second)
     assert store.stats()["dram"]["used"] == used  # grants left open ended with the connection
+
+
+def test_a_stored_block_that_does_not_match_its_checksum_is_never_served(server):
+    """STORE takes the writer's checksum without reading the bytes: if they changed under the
+    writer's copy, every verifying reader refuses them."""
+    k, value = key("torn-store"), b"t" * 4096
+    entry = struct.pack("<BBIQ", 2, 16, 0, len(value)) + b"ns" + key("first-of-size")[1]
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.RESERVE, 1, 1, len(entry)) + entry)
+        reservation = U64.unpack_from(read_reply(sock)[4])[0]
+        sock.sendall(pack_header(Op.COMMIT, 2, 1, 16, flags=FLAG_ABORT | FLAG_REGRANT) + U64.pack(reservation)
+                     + bytes(8))
+        _, grant, granted = regrant_reply(read_reply(sock)[4], 1)
+        offset = granted[0][1]
+        server.store._dram._mem[offset : offset + len(value)] = value
+        body = U64.pack(grant) + put_entry(k, 0, len(value), xxhash.xxh3_64_intdigest(b"u" * 4096))
+        sock.sendall(pack_header(Op.STORE, 3, 1, len(body)) + body)
+        assert read_reply(sock)[4] == bytes([Status.OK])
+    with TcpConnection(server.address) as tcp, ShmConnection(server.unix_path) as shm:
+        for conn in (tcp, shm):
+            with pytest.raises(ChecksumMismatch):
+                conn.get(k)
+    server.store.remove(k)
 
 
 def test_a_grant_cannot_be_committed_without_keys_and_abort_needs_no_reply(server):

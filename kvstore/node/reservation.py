@@ -57,11 +57,21 @@ class Reservation:
         With ``expected_checksum`` (the writer's XXH3-64 of what it sent), bytes
         that arrived damaged are revoked instead and ChecksumMismatch raised.
         """
+        self._publish(expected_checksum, trusted=False)
+
+    def commit_written(self, checksum: int) -> None:
+        """Publish bytes a same-host writer copied in itself, under the XXH3-64 it computed over
+        its own source, without reading them back: reading a megabyte another core just wrote
+        costs more than the rest of the put, and every reader verifies the checksum anyway (a
+        writer whose buffer changed under the copy leaves a block that no reader accepts)."""
+        self._publish(checksum, trusted=True)
+
+    def _publish(self, checksum: int | None, trusted: bool) -> None:
         if self.key is None:
             raise ReservationError("a granted reservation must be bound to a key before it is committed")
         extent = self._take()
         self.buffer.release()
-        self._store._commit(self.key, extent, self.depth, expected_checksum)
+        self._store._commit(self.key, extent, self.depth, checksum, trusted)
 
     def revoke(self) -> None:
         """Give the space back; nothing becomes visible."""

@@ -282,7 +282,10 @@ def op_commit(conn: "Connection", frame: "Frame") -> None:
             elif res.key is None:  # a grant is stored with STORE, which names the keys
                 out[i] = Status.INVALID_KEY
             else:
-                out[i] = _publish(res, checksums[i])
+                try:
+                    res.commit(checksums[i])
+                except KVStoreError as exc:
+                    out[i] = status_of(exc)
     finally:
         _revoke(group)  # only what a failure left open
     if frame.flags & FLAG_NO_REPLY and frame.flags & FLAG_ABORT:
@@ -292,7 +295,7 @@ def op_commit(conn: "Connection", frame: "Frame") -> None:
 
 def op_store(conn: "Connection", frame: "Frame") -> None:
     """Store blocks a same-host writer wrote into granted space: u64 grant id, then one PUT
-    entry (key, depth, size, checksum: 0 to have the node compute it) per granted item."""
+    entry (key, depth, size, the writer's checksum, taken as is) per granted item."""
     if frame.body_len < U64.size:
         raise _bad("STORE without a grant id")
     if frame.body_len - U64.size > MAX_TABLE_BYTES:
@@ -312,21 +315,12 @@ def op_store(conn: "Connection", frame: "Frame") -> None:
             else:
                 try:
                     res.bind(key, depth)
+                    res.commit_written(checksum)
                 except KVStoreError as exc:
                     out[i] = status_of(exc)
-                    continue
-                out[i] = _publish(res, checksum or None)
     finally:
         _revoke(group)
     _reply_statuses(conn, frame, out, [entry[1][3] for entry in entries])
-
-
-def _publish(res, checksum: int | None) -> int:
-    try:
-        res.commit(checksum)
-    except KVStoreError as exc:
-        return status_of(exc)
-    return OK
 
 
 def _take_group(conn: "Connection", group_id: int, count: int) -> list:
