@@ -80,7 +80,7 @@ from kvstore_client.wire import (
 log = logging.getLogger(__name__)
 TOUCH_BATCH = 64  # one-sided reads reported to the node in one TOUCH frame
 TOUCH_DELAY = 0.25  # seconds a one-sided read waits, at most, to be reported (checked on the next read)
-GRANT_MAX_BYTES = 16 << 20  # puts up to this size (and 1/16 of the arena) keep a grant for the next one
+GRANT_MAX_BYTES = 4 << 20  # puts up to this size (and 1/64 of the arena) keep a grant for the next one
 
 _checksum = xxhash.xxh3_64_intdigest
 _LEASE, _OK, _NOT_FOUND = int(Op.LEASE), int(Status.OK), int(Status.NOT_FOUND)
@@ -478,7 +478,7 @@ class ShmConnection(DataPlaneConnection):
     def _publish(self, op: int, table: bytes, sizes: list[int]) -> list[int]:
         """Send a COMMIT or STORE; its statuses. Small puts ask for a grant of the same sizes
         for the next put (larger ones would hold too much DRAM idle, and gain little)."""
-        regrant = sum(sizes) <= min(GRANT_MAX_BYTES, len(self._mem) // 16)
+        regrant = sum(sizes) <= min(GRANT_MAX_BYTES, len(self._mem) // 64)
         request_id = self._send(op, len(sizes), table, flags=FLAG_REGRANT if regrant else 0)
         if not regrant:
             statuses = [Status.OK] * len(sizes)

@@ -6,7 +6,7 @@ out with ``flush()``. The node expires leases older than its lease TTL, so a
 read whose lease lapsed before its copy ended can see the space reused; the
 checksum (or, without verification, the clock) catches that and the read is
 redone. (Reads through the block directory take no lease: these connections
-are made with ``one_sided=False``; test_transport_directory.py covers that
+are made with ``one_sided=False``; test_transport_same_host.py covers that
 path.) These tests drive a node in this process so they can look at its
 store, and force the race with a connection whose LEASE reply is followed,
 before the copy, by the lease expiring and writers reusing the space.

@@ -1,4 +1,5 @@
-"""One-sided shared-memory reads through a node's block directory.
+"""The same-host fast paths: one-sided reads through a node's block directory, and puts
+into space the node granted after the previous put.
 
 The directory (kvstore_client.directory) lets a same-host client find a block
 in the node's arena and copy it without a round trip, validating the copy
@@ -6,7 +7,8 @@ afterwards. These tests check the format's contract (writer and reader
 together), that such reads take no lease yet count as hits that keep blocks
 warm, that a copy racing replacements and reuse of the space never returns
 wrong bytes (with and without checksums), and that a killed node stops being
-read within the directory's lifetime.
+read within the directory's lifetime. Then that a run of same-sized puts goes
+through grants (one STORE each), and that grants end with their connection.
 """
 
 from __future__ import annotations
@@ -220,3 +222,27 @@ def test_a_killed_node_stops_serving_one_sided_reads(tmp_path):
     finally:
         node.close()
         master.close()
+
+
+def test_same_sized_puts_go_through_grants_and_grants_end_with_the_connection(tmp_path):
+    store = BlockStore(StoreConfig(dram_capacity=64 * BLOCK, max_block_bytes=BLOCK, background_eviction=False))
+    server = DataPlaneServer(store, unix_path=str(tmp_path / "dp.sock")).start()
+    try:
+        used = store.stats()["dram"]["used"]
+        keys = [key(f"granted-{i}") for i in range(6)]
+        with ShmConnection(server.unix_path) as conn:
+            grants = []
+            for i, k in enumerate(keys):
+                conn.put(k, uniform(i))
+                grants.append(conn._grant[0])  # the grant left for the next put
+            assert len(set(grants)) == len(keys)  # each put used the last grant and got a fresh one
+            assert [store.get(k) for k in keys] == [uniform(i) for i in range(len(keys))]
+            assert store.stats()["dram"]["used"] == used + (len(keys) + 1) * BLOCK  # the blocks and one grant
+            conn.put(key("odd-size"), b"x" * 1000)  # another size: the grant is given back, RESERVE is used
+            assert store.get(key("odd-size")) == b"x" * 1000
+        wait_for(lambda: server.connections == 0)
+        assert store.stats()["dram"]["used"] == used + len(keys) * BLOCK + 4096  # no grant left behind
+    finally:
+        server.stop()
+        store.close()
+
