@@ -20,7 +20,7 @@ import grpc
 
 from kvstore_client.buffers import byte_view
 from kvstore_client.connect import DATA_PATHS, open_connection
-from kvstore_client.errors import InvalidValue, Overloaded, ServiceUnavailable
+from kvstore_client.errors import ChecksumMismatch, InvalidValue, KVStoreError, Overloaded, ServiceUnavailable
 from kvstore_client.hashing import BlockHasher
 from kvstore_client.hostid import machine_id
 from kvstore_client.keys import BlockKey, check_key
@@ -133,7 +133,8 @@ class Client:
     def _read(self, keys: list[BlockKey], buffers: list | None) -> list:
         """Read each key from this host's nodes' block directories if they have it (no round
         trip, not even to the master), else from its best replica, falling back to the next
-        on a miss or a dead node."""
+        on a miss, a dead node or a damaged copy. Raises the first error no replica got past
+        (ChecksumMismatch when every copy of a block was damaged)."""
         results: list = [None] * len(keys)
         todo = self._read_local(keys, buffers, results)
         if not todo:
@@ -142,6 +143,7 @@ class Client:
         candidates: list = [[] for _ in keys]
         for i, replicas in zip(todo, located):
             candidates[i] = self._order(replicas)
+        damaged: dict[int, KVStoreError] = {}
         pending = [i for i in todo if candidates[i]]
         while pending:
             by_node: dict[str, list[int]] = {}
@@ -149,15 +151,24 @@ class Client:
                 by_node.setdefault(candidates[i].pop(0), []).append(i)
             retry = []
             for node_id, idx in by_node.items():
-                got = self._read_from(node_id, [keys[i] for i in idx], None if buffers is None else [buffers[i] for i in idx])
-                for i, value in zip(idx, got):
-                    if value is None:
-                        if candidates[i]:
-                            retry.append(i)
-                    else:
+                got, errors = self._read_from(node_id, [keys[i] for i in idx],
+                                              None if buffers is None else [buffers[i] for i in idx])
+                for n, (i, value) in enumerate(zip(idx, got)):
+                    error = errors.get(n)
+                    if error is not None and not isinstance(error, ChecksumMismatch):
+                        raise error  # the key or the buffer is at fault, not the replica
+                    if error is not None:
+                        log.warning("node %s holds a damaged copy of block %d: trying other replicas", node_id, i)
+                        damaged[i] = error
+                    if value is not None:
                         results[i] = value
+                        damaged.pop(i, None)
+                    elif candidates[i]:
+                        retry.append(i)
                 self._locations.forget(keys[i] for i, v in zip(idx, got) if v is None)
             pending = retry
+        if damaged:
+            raise damaged[min(damaged)]
         return results
 
     def _read_local(self, keys: list[BlockKey], buffers: list | None, results: list) -> list[int]:
@@ -174,15 +185,16 @@ class Client:
                 todo = [i for i, value in zip(todo, got) if value is None]
         return todo
 
-    def _read_from(self, node_id: str, keys: list[BlockKey], buffers: list | None) -> list:
+    def _read_from(self, node_id: str, keys: list[BlockKey], buffers: list | None) -> tuple[list, dict]:
+        """(results, per-key errors) of one node; all misses when it cannot be reached."""
         node = self._nodes.get(node_id)
         if node is None:
-            return [None] * len(keys)
+            return [None] * len(keys), {}
         try:
-            return self._on_node(node, lambda c: c.get_many(keys) if buffers is None else c.get_into_many(keys, buffers))
+            return self._on_node(node, lambda c: c.read_many(keys, buffers))
         except OSError as exc:
             log.warning("node %s unreachable (%s): trying other replicas", node_id, exc)
-            return [None] * len(keys)
+            return [None] * len(keys), {}
 
     def _on_node(self, node: pb.NodeInfo, call):
         """``call(connection)``, redialling once: a cached connection may predate a node restart."""

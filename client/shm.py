@@ -26,8 +26,9 @@ GET over the socket.
 
 Writes: copy into arena space the node granted after the previous put and
 STORE with the checksum of the source (one round trip; the node does not read
-the bytes back, readers verify them), when the sizes match that grant; else RESERVE (arena offsets), copy in, COMMIT with each value's
-checksum, which the node verifies over the arena bytes. Both replies carry a
+the bytes back, readers verify them), when the sizes match that grant; else
+RESERVE (arena offsets), copy in, COMMIT with each value's checksum, which
+the node verifies over the arena bytes. Both replies carry a
 grant of the same sizes for the next put (REGRANT): a run of same-sized puts,
 the usual case for KV blocks, takes one round trip each.
 
@@ -237,28 +238,24 @@ class ShmConnection(DataPlaneConnection):
         return [self._read_direct(key, view) for key, view in zip(keys, views)]
 
     # -- reads -----------------------------------------------------------------------------
-    def get_many(self, keys) -> list[bytes | None]:
-        keys = [check_key(k) for k in keys]
-        out = self.read_direct(keys)
-        rest = [j for j, data in enumerate(out) if data is None]
-        if rest:
-            for j, data in zip(rest, super().get_many([keys[j] for j in rest])):
-                out[j] = data
-        return out
-
-    def get_into_many(self, keys, buffers) -> list[int | None]:
+    def read_many(self, keys, buffers=None) -> tuple[list, dict[int, KVStoreError]]:
+        """One-sided reads first; what they did not serve is leased (or read over the socket)."""
         if self._directory is None:
-            return super().get_into_many(keys, buffers)
+            return super().read_many(keys, buffers)
         keys = [check_key(k) for k in keys]
-        views = [byte_view(b, writable=True) for b in buffers]
-        if len(views) != len(keys):
+        views = None if buffers is None else [byte_view(b, writable=True) for b in buffers]
+        if views is not None and len(views) != len(keys):
             raise InvalidValue(f"{len(keys)} keys but {len(views)} buffers")
-        sizes = self.read_direct(keys, views)
-        rest = [j for j, size in enumerate(sizes) if size is None]
+        results = self.read_direct(keys, views)
+        rest = [j for j, got in enumerate(results) if got is None]
+        errors: dict[int, KVStoreError] = {}
         if rest:
-            for j, size in zip(rest, super().get_into_many([keys[j] for j in rest], [views[j] for j in rest])):
-                sizes[j] = size
-        return sizes
+            more, failed = super().read_many([keys[j] for j in rest],
+                                             None if views is None else [views[j] for j in rest])
+            for j, got in zip(rest, more):
+                results[j] = got
+            errors = {rest[i]: error for i, error in failed.items()}
+        return results, errors
 
     def get_into(self, key: BlockKey, buffer) -> int | None:
         """One block into ``buffer``: its size, None for a miss.

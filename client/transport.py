@@ -276,10 +276,29 @@ class DataPlaneConnection:
         BufferTooSmall (``.needed``) for a block larger than its buffer, after
         filling every other buffer.
         """
+        results, errors = self.read_many(keys, buffers)
+        _raise_first(errors)
+        return results
+
+    def get_many(self, keys) -> list[bytes | None]:
+        """Each block's bytes, None for misses (get_into_many avoids the allocation)."""
+        results, errors = self.read_many(keys)
+        _raise_first(errors)
+        return results
+
+    def read_many(self, keys, buffers=None) -> tuple[list, dict[int, KVStoreError]]:
+        """``get_many`` (or with ``buffers``, ``get_into_many``) that returns the per-key
+        errors instead of raising the first: (results, {index: error}); the results of
+        keys with an error are None. Connection failures still raise."""
         keys = [check_key(k) for k in keys]
+        if buffers is None:
+            return self._get_bytes(keys)
         views = [byte_view(b, writable=True) for b in buffers]
         if len(views) != len(keys):
             raise InvalidValue(f"{len(keys)} keys but {len(views)} buffers")
+        return self._get_into(keys, views)
+
+    def _get_into(self, keys: list, views: list) -> tuple[list, dict]:
         results: list = [None] * len(keys)
         errors: dict[int, KVStoreError] = {}
 
@@ -296,18 +315,13 @@ class DataPlaneConnection:
         self._read(keys, list(range(len(keys))), [len(v) for v in views], target, errors)
         for j in errors:
             results[j] = None
-        _raise_first(errors)
-        return results
+        return results, errors
 
-    def get_many(self, keys) -> list[bytes | None]:
-        """Each block's bytes, None for misses (get_into_many avoids the allocation).
-
-        Blocks land in the connection's reused landing buffer and are copied
-        once into their bytes objects (receiving into a fresh bytearray and
-        converting it keeps two large allocations per block, which glibc
-        answers with fresh pages, and page faults, on every call).
-        """
-        keys = [check_key(k) for k in keys]
+    def _get_bytes(self, keys: list) -> tuple[list, dict]:
+        """Blocks land in the connection's reused landing buffer and are copied once into
+        their bytes objects (receiving into a fresh bytearray and converting it keeps two
+        large allocations per block, which glibc answers with fresh pages, and page faults,
+        on every call)."""
         out: dict[int, bytes] = {}
         errors: dict[int, KVStoreError] = {}
         landing = self._landing
@@ -330,8 +344,7 @@ class DataPlaneConnection:
 
         # sizes are unknown: chunk by count; the node defers what overflows a frame (FRAME_TOO_LARGE)
         self._read(keys, list(range(len(keys))), [0] * len(keys), target, errors, landed)
-        _raise_first(errors)
-        return [out.get(j) for j in range(len(keys))]
+        return [out.get(j) for j in range(len(keys))], errors
 
     def get_with(self, keys, place, landed=None) -> dict[int, KVStoreError]:
         """GET each block of ``keys`` straight into ``place(j, size)``, a writable view of

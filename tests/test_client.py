@@ -104,3 +104,55 @@ def test_torch_cpu_tensors_in_and_out(client):
     assert torch.equal(out, kv)
     with pytest.raises(InvalidValue):
         client.put((ns, b"u" * 16), kv.t())  # not contiguous
+
+
+@pytest.fixture
+def two_replicas(tmp_path):
+    """A master that keeps two copies of every block, and its two nodes, in this process."""
+    import time
+
+    from kvstore.master.server import MasterServer
+    from kvstore.node.config import StoreConfig
+    from kvstore.node.daemon import NodeOptions, StorageNode
+
+    master = MasterServer(port=0, ttl_s=5.0, heartbeat_interval_s=0.5, replication_factor=2).start()
+    nodes = [StorageNode(StoreConfig(dram_capacity=16 << 20, max_block_bytes=1 << 20),
+                         NodeOptions(master=master.address, data_dir=str(tmp_path / f"n{i}"))).start()
+             for i in range(2)]
+    deadline = time.monotonic() + 10
+    while not all(n.agent.registered for n in nodes) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield master.address, nodes
+    for node in nodes:
+        node.stop()
+    master.stop()
+
+
+def damage(node, key) -> None:
+    """Flip a byte of the node's copy of ``key`` in its arena (the checksum stays the old one)."""
+    extent = node.store._dram.current(key)
+    node.store._dram._mem[extent.offset] ^= 0xFF
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+def test_a_damaged_copy_is_read_from_another_replica(two_replicas, shm):
+    from kvstore_client.errors import ChecksumMismatch
+    from tests.processes import wait_for
+
+    address, nodes = two_replicas
+    keys = [(f"damaged-{shm}", bytes([i]) * 16) for i in range(2)]
+    values = [value_for(k, 32 * KiB) for k in keys]
+    with Client(address, prefer_shm=shm, location_ttl=0) as client:
+        client.batch_put(keys, values)
+        assert all(n.store.exists(k) for n in nodes for k in keys)  # two copies of each
+        wait_for(lambda: all(len(r) == 2 for r in client._locate(keys, use_cache=False)))
+        damage(nodes[0], keys[0])  # whichever node is tried first, one good copy is left
+        damage(nodes[1], keys[1])
+        assert client.batch_get(keys) == values
+        out = [bytearray(32 * KiB) for _ in keys]
+        assert client.batch_get_into(keys, out) == [32 * KiB] * 2 and out == values
+        damage(nodes[1], keys[0])  # now every copy of the first block is damaged
+        with pytest.raises(ChecksumMismatch):
+            client.get(keys[0])
+        assert client.get(keys[1]) == values[1]
+
