@@ -13,7 +13,8 @@ thread (they are cheap: a socket and one INFO round trip). Frames are in
 
 Every call is a batch. Reads raise after the whole reply is consumed, so a
 per-key failure (BufferTooSmall, UnknownNamespace, ChecksumMismatch...) leaves
-the connection usable; misses are None. ``put_many`` reports per item instead
+the connection usable; misses are None. ``read_many`` returns those per-key
+errors instead of raising them. ``put_many`` reports per item instead
 of raising, because some items of a batch may be stored while others are not:
 it returns one ``None`` (stored) or typed exception instance per item, and
 ``put`` raises that exception. A connection that died mid-transfer raises
