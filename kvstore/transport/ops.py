@@ -1,11 +1,13 @@
 """The data-plane ops a node serves: one function per op (spec: proto/dataplane.md).
 
 Each op reads the rest of its frame from ``conn.reader``, works on
-``conn.store`` and sends exactly one reply (none for RELEASE with NO_REPLY).
+``conn.store`` and sends exactly one reply (none with NO_REPLY: RELEASE,
+TOUCH, COMMIT with ABORT).
 Per-item failures become per-item statuses; a frame that contradicts itself
 raises ProtocolError, which ends the connection (see connection.py).
 Bulk bytes never pass through Python objects: GET sends from the arena
-(``sendmsg`` of the leased views), PUT receives into the reservation.
+(``sendmsg`` of the leased views), PUT and PULL receive into reservations;
+same-host writers fill reservations and grants through their own mapping.
 """
 
 from __future__ import annotations
