@@ -251,6 +251,16 @@ def regrant_reply(body: bytes, count: int) -> tuple[list[int], int, list[tuple[i
     return list(body[:count]), grant, list(RESERVED_ITEM.iter_unpack(body[count + 8 :]))
 
 
+def grant_by_aborting(sock, k, size: int) -> tuple[int, int, list[tuple[int, int]]]:
+    """RESERVE one block, then COMMIT it with ABORT and REGRANT: (reservation id, grant id, granted items)."""
+    entry = struct.pack("<BBIQ", 2, 16, 0, size) + b"ns" + k[1]
+    sock.sendall(pack_header(Op.RESERVE, 1, 1, len(entry)) + entry)
+    reservation = U64.unpack_from(read_reply(sock)[4])[0]
+    sock.sendall(pack_header(Op.COMMIT, 2, 1, 16, flags=FLAG_ABORT | FLAG_REGRANT) + U64.pack(reservation) + bytes(8))
+    _, grant, granted = regrant_reply(read_reply(sock)[4], 1)
+    return reservation, grant, granted
+
+
 def test_grants_store_named_blocks_and_refuse_mismatches(server):
     store = server.store
     wait_until(lambda: no_connections(server))
@@ -289,13 +299,8 @@ def test_a_stored_block_that_does_not_match_its_checksum_is_never_served(server)
     """STORE takes the writer's checksum without reading the bytes: if they changed under the
     writer's copy, every verifying reader refuses them."""
     k, value = key("torn-store"), b"t" * 4096
-    entry = struct.pack("<BBIQ", 2, 16, 0, len(value)) + b"ns" + key("first-of-size")[1]
     with raw(server) as sock:
-        sock.sendall(pack_header(Op.RESERVE, 1, 1, len(entry)) + entry)
-        reservation = U64.unpack_from(read_reply(sock)[4])[0]
-        sock.sendall(pack_header(Op.COMMIT, 2, 1, 16, flags=FLAG_ABORT | FLAG_REGRANT) + U64.pack(reservation)
-                     + bytes(8))
-        _, grant, granted = regrant_reply(read_reply(sock)[4], 1)
+        _, grant, granted = grant_by_aborting(sock, key("first-of-size"), len(value))
         offset = granted[0][1]
         server.store._dram._mem[offset : offset + len(value)] = value
         body = U64.pack(grant) + put_entry(k, 0, len(value), xxhash.xxh3_64_intdigest(b"u" * 4096))
@@ -315,11 +320,7 @@ def test_a_grant_cannot_be_committed_without_keys_and_abort_needs_no_reply(serve
     value = b"a" * 4096
     entry = struct.pack("<BBIQ", 2, 16, 0, len(value)) + b"ns" + key("to-abort")[1]
     with raw(server) as sock:
-        sock.sendall(pack_header(Op.RESERVE, 1, 1, len(entry)) + entry)
-        reservation = U64.unpack_from(read_reply(sock)[4])[0]
-        sock.sendall(pack_header(Op.COMMIT, 2, 1, 16, flags=FLAG_ABORT | FLAG_REGRANT) + U64.pack(reservation)
-                     + bytes(8))
-        _, grant, _ = regrant_reply(read_reply(sock)[4], 1)
+        reservation, grant, _ = grant_by_aborting(sock, key("to-abort"), len(value))
         sock.sendall(pack_header(Op.COMMIT, 3, 1, 16) + U64.pack(grant) + bytes(8))  # a grant names no key
         assert read_reply(sock)[4] == bytes([Status.INVALID_KEY])
         sock.sendall(pack_header(Op.COMMIT, 4, 1, 16, flags=FLAG_ABORT | FLAG_REGRANT) + U64.pack(reservation)
