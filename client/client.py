@@ -133,8 +133,9 @@ class Client:
     def _read(self, keys: list[BlockKey], buffers: list | None) -> list:
         """Read each key from this host's nodes' block directories if they have it (no round
         trip, not even to the master), else from its best replica, falling back to the next
-        on a miss, a dead node or a damaged copy. Raises the first error no replica got past
-        (ChecksumMismatch when every copy of a block was damaged)."""
+        on a miss, a dead node or a damaged copy (a copy damaged at its node is dropped there
+        and is a miss). Raises the first error no replica got past (ChecksumMismatch: a copy
+        arrived damaged twice though its node holds it intact, and no other copy was read)."""
         results: list = [None] * len(keys)
         todo = self._read_local(keys, buffers, results)
         if not todo:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 import struct
 import time
 
@@ -308,10 +309,8 @@ class ShmConnection(DataPlaneConnection):
                 return None
             return view if size == len(view) else view[:size]
 
-        if lease:
-            self._read([key], [0], [len(view)], target, errors, retry=False)
-        else:
-            DataPlaneConnection._read(self, [key], [0], [len(view)], target, errors)
+        read = partial(self._read, retry=False) if lease else partial(DataPlaneConnection._read, self)
+        self._read_checked([key], [0], [len(view)], target, errors, read=read)
         if errors:
             raise errors[0]
         return result[0]

@@ -313,7 +313,7 @@ class DataPlaneConnection:
             results[j] = size
             return views[j][:size]
 
-        self._read(keys, list(range(len(keys))), [len(v) for v in views], target, errors)
+        self._read_checked(keys, list(range(len(keys))), [len(v) for v in views], target, errors)
         for j in errors:
             results[j] = None
         return results, errors
@@ -344,7 +344,7 @@ class DataPlaneConnection:
             landing.reset()
 
         # sizes are unknown: chunk by count; the node defers what overflows a frame (FRAME_TOO_LARGE)
-        self._read(keys, list(range(len(keys))), [0] * len(keys), target, errors, landed)
+        self._read_checked(keys, list(range(len(keys))), [0] * len(keys), target, errors, landed)
         return [out.get(j) for j in range(len(keys))], errors
 
     def get_with(self, keys, place, landed=None) -> dict[int, KVStoreError]:
@@ -359,6 +359,26 @@ class DataPlaneConnection:
         self._read(keys, list(range(len(keys))), [0] * len(keys), place, errors,
                    None if landed is None else lambda: landed(errors))
         return errors
+
+    def _read_checked(self, keys: list, todo: list[int], costs: list[int], target, errors: dict, landed=None,
+                      read=None) -> None:
+        """``read`` (default ``_read``), then ask the node (VERIFY) about the blocks that arrived
+        damaged: one the node finds damaged too is dropped there and reads as a miss, as a
+        damaged SSD record does; one it finds intact was damaged on the way and is read once
+        more, after which a ChecksumMismatch stands."""
+        read = read or self._read
+        read(keys, todo, costs, target, errors, landed)
+        damaged = [j for j, error in errors.items() if isinstance(error, ChecksumMismatch)]
+        if not damaged:
+            return
+        again = []
+        for j, status in zip(damaged, self._item_statuses(Op.VERIFY, [keys[j] for j in damaged])):
+            target(j, None)
+            del errors[j]
+            if status == Status.OK:
+                again.append(j)
+        if again:
+            read(keys, again, costs, target, errors, landed)
 
     def _read(self, keys: list, todo: list[int], costs: list[int], target, errors: dict, landed=None) -> None:
         """GET ``keys[j]`` for j in todo, block j into ``target(j, size)`` (a view, or None to drop it;
@@ -485,13 +505,17 @@ class DataPlaneConnection:
         return self._flags(Op.REMOVE, keys)
 
     def _flags(self, op: int, keys) -> list[bool]:
-        keys = [check_key(k) for k in keys]
+        statuses = self._item_statuses(op, [check_key(k) for k in keys])
+        _raise_first({i: error_for(s) for i, s in enumerate(statuses) if s not in (Status.OK, Status.NOT_FOUND)})
+        return [s == Status.OK for s in statuses]
+
+    def _item_statuses(self, op: int, keys: list) -> list[int]:
+        """A keys-only request (EXISTS, REMOVE, VERIFY): one status per key."""
         statuses: list = [Status.NOT_FOUND] * len(keys)
         chunks = _split(list(range(len(keys))), [0] * len(keys), 1, KEYS_PER_FRAME)
         self._pipeline(chunks, lambda chunk: self._keys_request(op, keys, chunk),
                        lambda chunk, rid: self._statuses(op, chunk, rid, statuses))
-        _raise_first({i: error_for(s) for i, s in enumerate(statuses) if s not in (Status.OK, Status.NOT_FOUND)})
-        return [s == Status.OK for s in statuses]
+        return statuses
 
     def exists(self, key: BlockKey) -> bool:
         return self.exists_many([key])[0]

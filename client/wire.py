@@ -71,6 +71,7 @@ class Op(IntEnum):
     TOUCH = 11
     PULL = 12
     STORE = 13
+    VERIFY = 14
 
 
 class Status(IntEnum):

@@ -98,6 +98,32 @@ def test_overwrite_replaces_value_and_accounting(make_store):
     assert store.stats()["dram"]["used"] == 20_480
 
 
+def test_check_finds_and_drops_a_damaged_block(make_store):
+    store = make_store()
+    store.put(key(1), value_for(1, 8 * KiB))
+    store.put(key(2), value_for(2, 8 * KiB))
+    assert store.check(key(1)) is True and store.check(key(99)) is None
+    extent = store._dram.current(key(1))
+    store._dram._mem[extent.offset + 100] ^= 0xFF  # a stray write into the arena
+    assert store.check(key(1)) is False  # found, dropped and counted
+    assert not store.exists(key(1)) and store.get(key(1)) is None and store.check(key(1)) is None
+    assert store.stats()["dram"]["checksum_failures"] == 1
+    assert store.get(key(2)) == value_for(2, 8 * KiB)
+
+
+def test_granted_space_is_named_at_commit(make_store):
+    store = make_store()
+    res = store.grant(4 * KiB)
+    res.buffer[:] = b"g" * (4 * KiB)
+    with pytest.raises(ReservationError):
+        res.commit()  # no key yet
+    res.bind(key(7), depth=3)
+    res.commit()
+    assert store.get(key(7)) == b"g" * (4 * KiB)
+    with pytest.raises(InvalidValue):
+        store.grant(0)
+
+
 def test_exists_batch_exists_match_prefix(make_store):
     store = make_store()
     keys = BlockHasher("m", 4).keys(list(range(40)))

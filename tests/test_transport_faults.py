@@ -297,7 +297,8 @@ def test_grants_store_named_blocks_and_refuse_mismatches(server):
 
 def test_a_stored_block_that_does_not_match_its_checksum_is_never_served(server):
     """STORE takes the writer's checksum without reading the bytes: if they changed under the
-    writer's copy, every verifying reader refuses them."""
+    writer's copy, the first verifying reader refuses them, the node confirms (VERIFY) and
+    drops the block, and it reads as a miss from then on."""
     k, value = key("torn-store"), b"t" * 4096
     with raw(server) as sock:
         _, grant, granted = grant_by_aborting(sock, key("first-of-size"), len(value))
@@ -306,11 +307,12 @@ def test_a_stored_block_that_does_not_match_its_checksum_is_never_served(server)
         body = U64.pack(grant) + put_entry(k, 0, len(value), xxhash.xxh3_64_intdigest(b"u" * 4096))
         sock.sendall(pack_header(Op.STORE, 3, 1, len(body)) + body)
         assert read_reply(sock)[4] == bytes([Status.OK])
-    with TcpConnection(server.address) as tcp, ShmConnection(server.unix_path) as shm:
-        for conn in (tcp, shm):
-            with pytest.raises(ChecksumMismatch):
-                conn.get(k)
-    server.store.remove(k)
+    failures = server.store.stats()["dram"]["checksum_failures"]
+    with ShmConnection(server.unix_path) as shm:
+        assert shm.read_direct([k]) == [None]  # the one-sided read refuses it
+        assert shm.get(k) is None  # then the node finds it damaged too, and drops it
+    assert not server.store.exists(k)
+    assert server.store.stats()["dram"]["checksum_failures"] == failures + 1
 
 
 def test_a_grant_cannot_be_committed_without_keys_and_abort_needs_no_reply(server):
@@ -433,14 +435,19 @@ class FakeNode:
 def test_client_rejects_damaged_bytes_and_broken_replies():
     data = b"damaged?" * 100
     table = GET_ITEM.pack(Status.OK, len(data), xxhash.xxh3_64_intdigest(data) ^ 1)
+    damaged = lambda op, rid: pack_header(op, rid, 1, len(table) + len(data), flags=1) + table + data  # noqa: E731
+    seen = []
     node = FakeNode([
-        lambda op, rid: pack_header(op, rid, 1, len(table) + len(data), flags=1) + table + data,
+        damaged,
+        lambda op, rid: seen.append(op) or pack_header(op, rid, 1, 1, flags=1) + bytes([Status.OK]),  # VERIFY: intact
+        damaged,  # so it was damaged on the way: read once more, damaged again
         lambda op, rid: pack_header(op, rid, 0, 0, flags=1),
         lambda op, rid: pack_header(op, rid + 1, 0, 0, flags=1),  # answers the wrong request
     ])
     conn = TcpConnection(node.address)
     with pytest.raises(ChecksumMismatch):
         conn.get_into(key("k"), bytearray(1000))
+    assert seen == [Op.VERIFY]
     conn.ping()  # a damaged block does not break the stream
     with pytest.raises(ProtocolError):
         conn.ping()

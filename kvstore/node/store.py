@@ -274,6 +274,31 @@ class BlockStore:
         finally:
             self._dram.release(extent)
 
+    def check(self, key: BlockKey) -> bool | None:
+        """Verify a block's bytes against its checksum now, because a reader got them damaged:
+        True when intact; False when damaged, and then dropped (and counted) so that it reads
+        as a miss from now on, as a damaged SSD record does; None when absent. Blocks on SSD
+        are verified by every read there and count as intact."""
+        key = self._check_key(key)
+        with self._lock:
+            meta = self._table.get(key)
+            if meta is None:
+                return None
+            extent = self._dram.acquire(key) if meta.tier == DRAM else None
+        if extent is None:
+            return True
+        try:
+            if _checksum(self._dram.view(extent)) == extent.checksum:
+                return True
+            with self._lock:
+                self._counters[DRAM].checksum_failures += 1
+                meta = self._table.get(key)
+                if meta is not None and self._dram.current(key) is extent:
+                    self._forget(key, meta)
+            return False
+        finally:
+            self._dram.release(extent)
+
     def touch(self, keys: Iterable[BlockKey]) -> None:
         """Count reads that same-host clients served themselves from the block
         directory, as hits that keep the blocks warm for eviction; absent keys are skipped."""

@@ -178,6 +178,24 @@ def op_touch(conn: "Connection", frame: "Frame") -> None:
         conn.reply(frame, 0)
 
 
+def op_verify(conn: "Connection", frame: "Frame") -> None:
+    """Check blocks a reader got damaged: OK intact (damaged on the way), CHECKSUM_MISMATCH
+    damaged here too and dropped (it reads as a miss from now on), NOT_FOUND."""
+    entries = conn.read_table(frame, KEY_HEAD)
+    out = bytearray(frame.count)
+    for i, (key, _) in enumerate(entries):
+        if type(key) is int:
+            out[i] = key
+            continue
+        try:
+            intact = conn.store.check(key)
+        except KVStoreError as exc:
+            out[i] = status_of(exc)
+            continue
+        out[i] = NOT_FOUND if intact is None else OK if intact else Status.CHECKSUM_MISMATCH
+    conn.reply(frame, frame.count, out)
+
+
 def op_exists(conn: "Connection", frame: "Frame") -> None:
     _statuses(conn, frame, conn.store.exists)
 
@@ -399,4 +417,5 @@ OPS = {
     Op.TOUCH: op_touch,
     Op.PULL: op_pull,
     Op.STORE: op_store,
+    Op.VERIFY: op_verify,
 }
