@@ -135,13 +135,14 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def master(host, port, metrics_port, ttl, replicas, as_json, **scheduling) -> None:
     """Run the master: membership, the global prefix index, placement and the conductor."""
-    from kvstore.serving import serve_until_signalled
+    from kvstore.serving import StopSignals
 
+    signals = StopSignals()
     server = start_master(host, port, metrics_port, ttl, replicas, **scheduling)
     announce(as_json, [f"kvstore master listening on {server.address}"] +
              ([f"metrics on http://{server.metrics_address}/metrics"] if server.metrics_address else []),
              {"master": server.address, "metrics": server.metrics_address})
-    serve_until_signalled([server.stop])
+    signals.serve([server.stop])
 
 
 def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcache_centric",
@@ -166,11 +167,12 @@ def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcac
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def node(master_address, host, port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json) -> None:
     """Run a storage node: DRAM and SSD tiers served to clients, reported to the master."""
-    from kvstore.serving import serve_until_signalled
+    from kvstore.serving import StopSignals
 
+    signals = StopSignals()
     storage = start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise)
     announce(as_json, node_lines(storage), node_record(storage))
-    serve_until_signalled([storage.stop])
+    signals.serve([storage.stop])
 
 
 def start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise=None):
@@ -218,15 +220,16 @@ def node_lines(storage) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def up(host, port, data_port, metrics_port, data_dir, dram, ssd, max_block, policy, as_json) -> None:
     """Run the embedded default: a master and one storage node in this process."""
-    from kvstore.serving import serve_until_signalled
+    from kvstore.serving import StopSignals
 
+    signals = StopSignals()
     master_server = start_master(host, port, metrics_port, 5.0, 1)
     node_metrics = metrics_port + 1 if metrics_port > 0 else metrics_port
     storage = start_node(master_server.address, host, data_port, node_metrics, data_dir, dram, ssd, max_block, policy)
     announce(as_json, [f"kvstore up: master on {master_server.address}"] + node_lines(storage) +
              [f"try: kvstore status --master {master_server.address}"],
              {"master": master_server.address, "master_metrics": master_server.metrics_address, **node_record(storage)})
-    serve_until_signalled([storage.stop, master_server.stop])
+    signals.serve([storage.stop, master_server.stop])
 
 
 # -- inspection --------------------------------------------------------------------------------

@@ -7,19 +7,25 @@ import threading
 from typing import Callable
 
 
-def serve_until_signalled(stops: list[Callable[[], None]]) -> None:
-    """Block until SIGTERM/SIGINT; then call ``stops`` in order (each at most once)."""
-    done = threading.Event()
+class StopSignals:
+    """SIGTERM and SIGINT, caught from construction on: create it before starting services,
+    so that a signal that arrives while they start or announce themselves still stops them
+    cleanly (instead of killing the process with arenas and sockets left behind)."""
 
-    def handler(signum, frame):
-        done.set()
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        while not done.wait(0.5):
-            pass
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-        for stop in stops:
-            stop()
+    def _handler(self, signum, frame) -> None:
+        self._done.set()
+
+    def serve(self, stops: list[Callable[[], None]]) -> None:
+        """Block until a signal (or one that came already); then call ``stops`` in order."""
+        try:
+            while not self._done.wait(0.5):
+                pass
+        finally:
+            for sig, old in self._previous.items():
+                signal.signal(sig, old)
+            for stop in stops:
+                stop()

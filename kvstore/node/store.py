@@ -234,13 +234,17 @@ class BlockStore:
         block dropped) when its bytes no longer match their checksum."""
         view = self._dram.view(extent)
         if self.config.verify_dram_reads and _checksum(view) != extent.checksum:
-            with self._lock:
-                self._counters[DRAM].checksum_failures += 1
-                meta = self._table.get(key)
-                if meta is not None and self._dram.current(key) is extent:
-                    self._forget(key, meta)
+            self._drop_damaged(key, extent)
             return None
         return view
+
+    def _drop_damaged(self, key: BlockKey, extent: Extent) -> None:
+        """Count a DRAM block whose bytes fail their checksum and drop it, if it is still ``extent``."""
+        with self._lock:
+            self._counters[DRAM].checksum_failures += 1
+            meta = self._table.get(key)
+            if meta is not None and self._dram.current(key) is extent:
+                self._forget(key, meta)
 
     def _read_ssd(self, key: BlockKey, meta: BlockMeta, out: memoryview) -> int | None:
         """Read a block from SSD into ``out`` (checksum verified), promoting it when configured."""
@@ -290,11 +294,7 @@ class BlockStore:
         try:
             if _checksum(self._dram.view(extent)) == extent.checksum:
                 return True
-            with self._lock:
-                self._counters[DRAM].checksum_failures += 1
-                meta = self._table.get(key)
-                if meta is not None and self._dram.current(key) is extent:
-                    self._forget(key, meta)
+            self._drop_damaged(key, extent)
             return False
         finally:
             self._dram.release(extent)

@@ -156,7 +156,7 @@ def op_release(conn: "Connection", frame: "Frame") -> None:
 
 
 def _statuses(conn: "Connection", frame: "Frame", fn) -> None:
-    """A keys-only request answered with one status byte per key, from ``fn(key) -> bool``."""
+    """A keys-only request answered with one status byte per key, from ``fn(key) -> status``."""
     entries = conn.read_table(frame, KEY_HEAD)
     out = bytearray(frame.count)
     for i, (key, _) in enumerate(entries):
@@ -164,7 +164,7 @@ def _statuses(conn: "Connection", frame: "Frame", fn) -> None:
             out[i] = key
             continue
         try:
-            out[i] = OK if fn(key) else NOT_FOUND
+            out[i] = fn(key)
         except KVStoreError as exc:
             out[i] = status_of(exc)
     conn.reply(frame, frame.count, out)
@@ -181,27 +181,21 @@ def op_touch(conn: "Connection", frame: "Frame") -> None:
 def op_verify(conn: "Connection", frame: "Frame") -> None:
     """Check blocks a reader got damaged: OK intact (damaged on the way), CHECKSUM_MISMATCH
     damaged here too and dropped (it reads as a miss from now on), NOT_FOUND."""
-    entries = conn.read_table(frame, KEY_HEAD)
-    out = bytearray(frame.count)
-    for i, (key, _) in enumerate(entries):
-        if type(key) is int:
-            out[i] = key
-            continue
-        try:
-            intact = conn.store.check(key)
-        except KVStoreError as exc:
-            out[i] = status_of(exc)
-            continue
-        out[i] = NOT_FOUND if intact is None else OK if intact else Status.CHECKSUM_MISMATCH
-    conn.reply(frame, frame.count, out)
+    check = conn.store.check
+    _statuses(conn, frame, lambda key: _CHECKED[check(key)])
+
+
+_CHECKED = {True: OK, False: Status.CHECKSUM_MISMATCH, None: NOT_FOUND}
 
 
 def op_exists(conn: "Connection", frame: "Frame") -> None:
-    _statuses(conn, frame, conn.store.exists)
+    exists = conn.store.exists
+    _statuses(conn, frame, lambda key: OK if exists(key) else NOT_FOUND)
 
 
 def op_remove(conn: "Connection", frame: "Frame") -> None:
-    _statuses(conn, frame, conn.store.remove)
+    remove = conn.store.remove
+    _statuses(conn, frame, lambda key: OK if remove(key) else NOT_FOUND)
 
 
 # -- writes -------------------------------------------------------------------------------------
