@@ -59,6 +59,7 @@ DEFAULT_WAYS = 8
 ONE_SIDED_READS = platform.machine().lower() in ("x86_64", "amd64")
 
 _tag = xxhash.xxh3_128_digest
+_checksum = xxhash.xxh3_64_intdigest
 _monotonic_ns = time.monotonic_ns
 
 
@@ -132,4 +133,49 @@ class DirectoryReader:
             pass
 
 
-__all__ = ["DirectoryReader", "ONE_SIDED_READS", "key_tag", "bucket_of", "file_size"]
+class OneSidedReads:
+    """Blocks read straight out of a node's mapped ``arena`` through its ``directory``, every
+    copy validated: the slot unchanged, and with ``verify`` the XXH3-64 too. ``read_into``
+    and ``read`` return None when that did not work (not in the directory, changed during
+    the copy, too big for the buffer, the node not alive), which is not a miss: the caller
+    then asks the node. Not thread-safe (one per connection)."""
+
+    def __init__(self, directory: DirectoryReader, arena: memoryview, verify: bool):
+        self.directory, self._arena, self.verify = directory, arena, verify
+
+    def _find(self, key: BlockKey) -> tuple | None:
+        directory = self.directory
+        if not directory.alive():
+            return None
+        found = directory.find(key)
+        if found is None or found[2] + found[3] > len(self._arena):
+            return None
+        return found
+
+    def _valid(self, found: tuple, copy) -> bool:
+        return self.directory.unchanged(found[0], found[1]) and not (self.verify and _checksum(copy) != found[4])
+
+    def read_into(self, key: BlockKey, view: memoryview) -> int | None:
+        """Copy the block into ``view``: its size, or None."""
+        found = self._find(key)
+        if found is None or found[3] > len(view):
+            return None
+        offset, size = found[2], found[3]
+        out = view if size == len(view) else view[:size]
+        out[:] = self._arena[offset : offset + size]
+        return size if self._valid(found, out) else None
+
+    def read(self, key: BlockKey) -> bytes | None:
+        """The block's bytes, or None."""
+        found = self._find(key)
+        if found is None:
+            return None
+        data = bytes(self._arena[found[2] : found[2] + found[3]])
+        return data if self._valid(found, data) else None
+
+    def close(self) -> None:
+        self._arena = memoryview(b"")
+        self.directory.close()
+
+
+__all__ = ["DirectoryReader", "ONE_SIDED_READS", "OneSidedReads", "key_tag", "bucket_of", "file_size"]

@@ -24,13 +24,8 @@ later than the lease TTL after its LEASE was sent is redone the same way.
 Blocks stored only on SSD that the node cannot bring into DRAM are read with
 GET over the socket.
 
-Writes: copy into arena space the node granted after the previous put and
-STORE with the checksum of the source (one round trip; the node does not read
-the bytes back, readers verify them), when the sizes match that grant; else
-RESERVE (arena offsets), copy in, COMMIT with each value's checksum, which
-the node verifies over the arena bytes. Both replies carry a
-grant of the same sizes for the next put (REGRANT): a run of same-sized puts,
-the usual case for KV blocks, takes one round trip each.
+Writes go through arena space the node reserved (``kvstore_client.shm_writes``):
+a run of same-sized puts takes one round trip each.
 
 ``lease_many`` hands out zero-copy views instead (``ShmLease``); those leases
 are taken with FLAG_HOLD, never expire, and end with ``ShmLease.release``.
@@ -42,15 +37,15 @@ from __future__ import annotations
 
 import logging
 import os
-from functools import partial
 import struct
 import time
+from functools import partial
 
 import xxhash
 
 from kvstore_client.arenamap import map_arena, unmap_arena
 from kvstore_client.buffers import byte_view
-from kvstore_client.directory import ONE_SIDED_READS, DirectoryReader
+from kvstore_client.directory import ONE_SIDED_READS, DirectoryReader, OneSidedReads
 from kvstore_client.errors import (
     BufferTooSmall,
     ChecksumMismatch,
@@ -61,28 +56,23 @@ from kvstore_client.errors import (
     TransportError,
 )
 from kvstore_client.hostid import machine_id
+from kvstore_client.shm_writes import ArenaWrites
 from kvstore_client.keys import BlockKey, check_key
 from kvstore_client.transport import KEYS_PER_FRAME, DataPlaneConnection, _connect, _raise_first, _split
 from kvstore_client.wire import (
-    FLAG_ABORT,
     FLAG_HOLD,
     FLAG_NO_REPLY,
-    FLAG_REGRANT,
     LEASE_ITEM,
-    RESERVED_ITEM,
     U64,
     Op,
     Status,
     error_for,
     key_entry,
-    put_entry,
-    reserve_entry,
 )
 
 log = logging.getLogger(__name__)
 TOUCH_BATCH = 64  # one-sided reads reported to the node in one TOUCH frame
 TOUCH_DELAY = 0.25  # seconds a one-sided read waits, at most, to be reported (checked on the next read)
-GRANT_MAX_BYTES = 4 << 20  # puts up to this size (and 1/64 of the arena) keep a grant for the next one
 
 _checksum = xxhash.xxh3_64_intdigest
 _LEASE, _OK, _NOT_FOUND = int(Op.LEASE), int(Status.OK), int(Status.NOT_FOUND)
@@ -122,7 +112,7 @@ class ShmLease:
         self.release()
 
 
-class ShmConnection(DataPlaneConnection):
+class ShmConnection(ArenaWrites, DataPlaneConnection):
     """Same-host transport: maps the node's DRAM arena (read/write) and copies
     blocks straight between it and caller buffers (see the module docstring).
     ``target`` is the node's Unix socket path or "host:port". One per thread.
@@ -134,13 +124,14 @@ class ShmConnection(DataPlaneConnection):
         super().__init__(_connect(target, timeout), verify=verify)
         ttl = self._info.get("lease_ttl")
         self.lease_ttl: float | None = None if ttl is None else float(ttl)  # the node's, from INFO
-        self._directory: DirectoryReader | None = None
+        self._direct: OneSidedReads | None = None  # reads through the node's block directory
         self._touch_due = _NEVER  # when the oldest unreported one-sided read must be reported
         self._grant: tuple | None = None  # (id, sizes, offsets): arena space the node set aside for the next put
         try:
             self._mem = self._map_arena(arena_name)
-            if one_sided and ONE_SIDED_READS:
-                self._directory = self._map_directory()
+            directory = self._map_directory() if one_sided and ONE_SIDED_READS else None
+            if directory is not None:
+                self._direct = OneSidedReads(directory, self._mem, verify)
         except BaseException:
             self.close()
             raise
@@ -174,49 +165,16 @@ class ShmConnection(DataPlaneConnection):
     @property
     def one_sided(self) -> bool:
         """Whether reads try the node's block directory first (no round trip)."""
-        return self._directory is not None
+        return self._direct is not None
 
     # -- one-sided reads -----------------------------------------------------------------------
-    def _find(self, key: BlockKey) -> tuple | None:
-        """The key's directory entry (position, seq, offset, size, checksum) while the node is alive."""
-        directory = self._directory
-        if directory is None or not directory.alive():
-            return None
-        found = directory.find(key)
-        if found is None or found[2] + found[3] > len(self._mem):
-            return None
-        return found
-
-    def _valid(self, key: BlockKey, found: tuple, copy) -> bool:
-        """Whether ``copy`` (of ``found``'s bytes) is the block: the slot did not change meanwhile
-        and, when verifying, the checksum matches. Counts the read as a hit when it is."""
-        if not self._directory.unchanged(found[0], found[1]) or (self.verify and _checksum(copy) != found[4]):
-            return False
+    def _hit(self, key: BlockKey) -> None:
+        """Count a one-sided read: reported to the node in batches (TOUCH) so it counts as a hit."""
         self._touched.append(key_entry(key))
         if len(self._touched) == 1:
             self._touch_due = _monotonic() + TOUCH_DELAY
         elif len(self._touched) >= TOUCH_BATCH or _monotonic() >= self._touch_due:
             self._report_touches()
-        return True
-
-    def _read_direct(self, key: BlockKey, view: memoryview) -> int | None:
-        """Copy the block into ``view`` without asking the node; its size, or None when
-        that did not work (not in the directory, too big for ``view``, or changed meanwhile)."""
-        found = self._find(key)
-        if found is None or found[3] > len(view):
-            return None
-        offset, size = found[2], found[3]
-        out = view if size == len(view) else view[:size]
-        out[:] = self._mem[offset : offset + size]
-        return size if self._valid(key, found, out) else None
-
-    def _get_direct(self, key: BlockKey) -> bytes | None:
-        """The block's bytes without asking the node, or None when that did not work."""
-        found = self._find(key)
-        if found is None:
-            return None
-        data = bytes(self._mem[found[2] : found[2] + found[3]])
-        return data if self._valid(key, found, data) else None
 
     def _report_touches(self) -> None:
         """Send the pending TOUCH (and RELEASE) frames now, without waiting for anything.
@@ -232,16 +190,19 @@ class ShmConnection(DataPlaneConnection):
         """One-sided reads only, of checked keys: each block's bytes (or, with ``views``, its size
         once copied into ``views[j]``); None where that did not work, which is NOT a miss: the
         block may still be on SSD, outside the directory or changing. Never asks the node."""
-        if self._directory is None:
+        direct = self._direct
+        if direct is None:
             return [None] * len(keys)
-        if views is None:
-            return [self._get_direct(key) for key in keys]
-        return [self._read_direct(key, view) for key, view in zip(keys, views)]
+        got = [direct.read(key) for key in keys] if views is None else list(map(direct.read_into, keys, views))
+        for key, value in zip(keys, got):
+            if value is not None:
+                self._hit(key)
+        return got
 
     # -- reads -----------------------------------------------------------------------------
     def read_many(self, keys, buffers=None) -> tuple[list, dict[int, KVStoreError]]:
         """One-sided reads first; what they did not serve is leased (or read over the socket)."""
-        if self._directory is None:
+        if self._direct is None:
             return super().read_many(keys, buffers)
         keys = [check_key(k) for k in keys]
         views = None if buffers is None else [byte_view(b, writable=True) for b in buffers]
@@ -269,9 +230,10 @@ class ShmConnection(DataPlaneConnection):
         """
         key = check_key(key)
         view = byte_view(buffer, writable=True)
-        if self._directory is not None:
-            size = self._read_direct(key, view)
+        if self._direct is not None:
+            size = self._direct.read_into(key, view)
             if size is not None:
+                self._hit(key)
                 return size
         sent = _monotonic()
         lease_id, ((status, offset, size, checksum),) = self._lease((key,), _FIRST, 0)
@@ -427,109 +389,14 @@ class ShmConnection(DataPlaneConnection):
             self._send(Op.RELEASE, len(lease_ids), struct.pack(f"<{len(lease_ids)}Q", *lease_ids),
                        flags=FLAG_NO_REPLY)
 
-    # -- writes ------------------------------------------------------------------------------
-    def _put(self, ready: dict[int, tuple], results: list) -> None:
-        """Write each chunk into arena space the node set aside, then have it published: into
-        the grant left by the previous put when the sizes match (one STORE round trip, with
-        the checksums of the sources), else RESERVE, copy, COMMIT with the checksums (which
-        the node verifies). Both ask for a grant of the same sizes for the next put (REGRANT)."""
-        costs = {i: len(view) for i, (_, view, _) in ready.items()}
-        for chunk in _split(list(ready), costs, self.max_frame_bytes, KEYS_PER_FRAME):
-            sizes = [len(ready[i][1]) for i in chunk]
-            grant, self._grant = self._grant, None
-            if grant is not None and grant[1] == sizes:
-                statuses = self._store(grant[0], [ready[i] for i in chunk], grant[2])
-            else:
-                if grant is not None:
-                    self._drop_grant(grant)
-                statuses = self._reserve_and_commit(ready, chunk)
-            for i, status in zip(chunk, statuses):
-                results[i] = None if status == Status.OK else error_for(status)
-
-    def _store(self, grant_id: int, items: list[tuple], offsets: list[int]) -> list[int]:
-        """Copy ``items`` (key, view, depth) into a grant's space and STORE them (REGRANT)."""
-        table = [U64.pack(grant_id)]
-        for (key, view, depth), offset in zip(items, offsets):
-            self._mem[offset : offset + len(view)] = view
-            table.append(put_entry(key, depth, len(view), _checksum(view)))  # of the source: see op_store
-        with self._stream():
-            return self._publish(Op.STORE, b"".join(table), [len(v) for _, v, _ in items])
-
-    def _reserve_and_commit(self, ready: dict[int, tuple], chunk: list[int]) -> list[int]:
-        reservation_id, items = self._reserve(ready, chunk)
-        statuses = [status for status, _ in items]
-        if not reservation_id:
-            return statuses
-        checksums = []
-        for i, (status, offset) in zip(chunk, items):
-            view = ready[i][1]
-            if status == Status.OK:
-                self._mem[offset : offset + len(view)] = view
-            checksums.append(_checksum(view) if status == Status.OK else 0)
-        with self._stream():
-            table = U64.pack(reservation_id) + struct.pack(f"<{len(chunk)}Q", *checksums)
-            committed = self._publish(Op.COMMIT, table, [len(ready[i][1]) for i in chunk])
-        return [s if s != Status.OK else c for s, c in zip(statuses, committed)]
-
-    def _publish(self, op: int, table: bytes, sizes: list[int]) -> list[int]:
-        """Send a COMMIT or STORE; its statuses. Small puts ask for a grant of the same sizes
-        for the next put (larger ones would hold too much DRAM idle, and gain little)."""
-        regrant = sum(sizes) <= min(GRANT_MAX_BYTES, len(self._mem) // 64)
-        request_id = self._send(op, len(sizes), table, flags=FLAG_REGRANT if regrant else 0)
-        if not regrant:
-            statuses = [Status.OK] * len(sizes)
-            self._statuses(op, list(range(len(sizes))), request_id, statuses)
-            return statuses
-        return self._statuses_and_grant(op, request_id, sizes)
-
-    def _statuses_and_grant(self, op: int, request_id: int, sizes: list[int]) -> list[int]:
-        """Read a REGRANT reply: the statuses, then keep the grant when all of it was granted."""
-        n = len(sizes)
-        if self._reply(op, request_id, n) != n + U64.size + n * RESERVED_ITEM.size:
-            raise ProtocolError("REGRANT reply body_len does not match its count")
-        body = self._reader.read(n + U64.size + n * RESERVED_ITEM.size)
-        statuses = list(body[:n])
-        grant_id = U64.unpack_from(body, n)[0]
-        granted = list(RESERVED_ITEM.iter_unpack(body[n + U64.size :]))
-        for (status, offset), size in zip(granted, sizes):
-            if status == Status.OK and offset + size > len(self._mem):
-                raise ProtocolError(f"the node granted {size} bytes at {offset}, outside its arena")
-        grant = (grant_id, sizes, [offset for _, offset in granted])
-        if grant_id and all(status == Status.OK for status, _ in granted):
-            self._grant = grant
-        elif grant_id:
-            self._drop_grant(grant)
-        return statuses
-
-    def _drop_grant(self, grant: tuple) -> None:
-        """Give a grant's space back (COMMIT with ABORT, no reply: stream order applies it)."""
-        if self._dead is None:
-            with self._stream():
-                table = U64.pack(grant[0]) + bytes(U64.size * len(grant[1]))
-                self._send(Op.COMMIT, len(grant[1]), table, flags=FLAG_ABORT | FLAG_NO_REPLY)
-
-    def _reserve(self, ready: dict[int, tuple], chunk: list[int]) -> tuple[int, list[tuple[int, int]]]:
-        """RESERVE arena space for the chunk's items: (reservation id, [(status, offset)])."""
-        size = U64.size + len(chunk) * RESERVED_ITEM.size
-        with self._stream():
-            table = b"".join([reserve_entry(ready[i][0], ready[i][2], len(ready[i][1])) for i in chunk])
-            if self._reply(Op.RESERVE, self._send(Op.RESERVE, len(chunk), table), len(chunk)) != size:
-                raise ProtocolError("RESERVE reply body_len does not match its count")
-            body = self._reader.read(size)
-            items = list(RESERVED_ITEM.iter_unpack(body[U64.size :]))
-            for i, (status, offset) in zip(chunk, items):
-                if status == Status.OK and offset + len(ready[i][1]) > len(self._mem):
-                    raise ProtocolError(f"the node reserved {len(ready[i][1])} bytes at {offset}, outside its arena")
-            return U64.unpack_from(body)[0], items
-
     def close(self) -> None:
         """Close the socket (the node then releases every lease of this connection at once) and unmap."""
         if self._touched:
             self._report_touches()
         super().close()
-        directory, self._directory = getattr(self, "_directory", None), None
-        if directory is not None:
-            directory.close()
+        direct, self._direct = getattr(self, "_direct", None), None
+        if direct is not None:
+            direct.close()
         mem, self._mem = getattr(self, "_mem", None), None
         if mem is not None:
             try:
