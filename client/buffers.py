@@ -1,8 +1,11 @@
-"""Flat byte views of caller buffers (bytes, bytearray, memoryview, numpy, torch)."""
+"""Flat byte views of caller buffers (bytes, bytearray, memoryview, numpy, torch), and the
+receive space connections reuse for reads that return bytes."""
 
 from __future__ import annotations
 
 from kvstore_client.errors import InvalidValue
+
+LANDING_MAX = 64 << 20  # the most receive space a connection keeps for get()
 
 
 def byte_view(obj: object, *, writable: bool = False) -> memoryview:
@@ -35,3 +38,27 @@ def _torch_bytes(tensor):  # pragma: no cover - exercised only where torch is in
     import torch
 
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+class LandingBuffer:
+    """Receive space that ``get`` reuses from call to call: ``take(size)`` hands out the next
+    ``size`` bytes of it (a fresh buffer when it is full), ``reset()`` makes it all free again,
+    grown to what the last round needed, up to ``LANDING_MAX`` bytes."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._used = self._wanted = 0
+
+    def take(self, size: int) -> memoryview:
+        end = self._used + size
+        self._wanted = max(self._wanted, end)
+        if end > len(self._buffer):
+            return memoryview(bytearray(size))
+        view = memoryview(self._buffer)[self._used : end]
+        self._used = end
+        return view
+
+    def reset(self) -> None:
+        if len(self._buffer) < self._wanted <= LANDING_MAX:
+            self._buffer = bytearray(self._wanted)
+        self._used = self._wanted = 0

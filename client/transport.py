@@ -34,7 +34,7 @@ from collections import deque
 
 import xxhash
 
-from kvstore_client.buffers import byte_view
+from kvstore_client.buffers import LandingBuffer, byte_view
 from kvstore_client.errors import (
     BufferTooSmall,
     ChecksumMismatch,
@@ -71,7 +71,6 @@ _pack_release1 = struct.Struct(HEADER.format + "Q").pack  # a RELEASE frame of o
 WINDOW = 2  # frames in flight: the next is sent while the node answers the previous
 KEYS_PER_FRAME = 256  # keys-only requests stay small (< 64 KiB), so pipelining cannot deadlock
 UNIX_SOCKET_BUFFER = 4 << 20
-LANDING_MAX = 64 << 20  # the most receive space a connection keeps for get()
 
 
 def _connect(target: str, timeout: float | None) -> socket.socket:
@@ -118,30 +117,6 @@ def _put_item(item) -> tuple[BlockKey, memoryview, int]:
     if type(depth) is not int or not 0 <= depth < 1 << 32:
         raise InvalidValue(f"depth must be an int in [0, 2**32), got {depth!r}")
     return check_key(key), byte_view(value), depth
-
-
-class LandingBuffer:
-    """Receive space that ``get`` reuses from call to call: ``take(size)`` hands out the next
-    ``size`` bytes of it (a fresh buffer when it is full), ``reset()`` makes it all free again,
-    grown to what the last round needed, up to ``LANDING_MAX`` bytes."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-        self._used = self._wanted = 0
-
-    def take(self, size: int) -> memoryview:
-        end = self._used + size
-        self._wanted = max(self._wanted, end)
-        if end > len(self._buffer):
-            return memoryview(bytearray(size))
-        view = memoryview(self._buffer)[self._used : end]
-        self._used = end
-        return view
-
-    def reset(self) -> None:
-        if len(self._buffer) < self._wanted <= LANDING_MAX:
-            self._buffer = bytearray(self._wanted)
-        self._used = self._wanted = 0
 
 
 class _StreamGuard:
