@@ -23,6 +23,7 @@ def cluster_status_record(reply: pb.ClusterStatusReply) -> dict:
         nodes.append({
             "node_id": node.info.node_id, "alive": node.alive, "host": node.info.host,
             "data_address": node.info.data_address, "metrics_address": node.info.metrics_address,
+            "arena_pages": node.info.arena_pages or None,
             "seconds_since_heartbeat": round(node.seconds_since_heartbeat, 2),
             "indexed_blocks": node.indexed_blocks, "tiers": tiers,
         })
@@ -41,6 +42,8 @@ def format_status(record: dict) -> str:
         first = [node["node_id"], "yes" if node["alive"] else "no", node["data_address"]]
         for i, (name, t) in enumerate(sorted(node["tiers"].items())):
             hit = "-" if t["hit_rate"] is None else f"{100 * t['hit_rate']:.1f}%"
+            if name == "dram" and node.get("arena_pages"):  # huge pages: same-host copies at memory speed
+                name = f"dram ({node['arena_pages']} pages)"
             rows.append((first if i == 0 else ["", "", ""]) +
                         [name, f"{format_size(t['used'])} / {format_size(t['capacity'])}", str(t["blocks"]), hit,
                          str(t["evictions"])])

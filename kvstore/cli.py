@@ -191,15 +191,11 @@ def node_record(storage) -> dict:
 
 
 def node_lines(storage) -> list[str]:
-    import os
-
-    from kvstore.tiers.arena import on_huge_pages
     from kvstore.units import format_size
 
     info, cfg = storage.info(), storage.config
     arena = storage.store._dram.arena
-    huge = on_huge_pages(os.path.dirname(arena.path))
-    pages = {True: "huge pages", False: "4 KiB pages", None: "page size unknown"}[huge]
+    pages = {"huge": "huge pages", "4KiB": "4 KiB pages"}.get(info.arena_pages, "page size unknown")
     lines = [f"kvstore node {info.node_id} serving blocks on {info.data_address}"
              + (f" and {info.unix_socket}" if info.unix_socket else ""),
              f"  DRAM tier {format_size(cfg.dram_capacity)} in shared memory {arena.path} ({pages})"]

@@ -26,7 +26,7 @@ PREFILL: EngineRole
 DECODE: EngineRole
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "host", "machine_id", "data_address", "unix_socket", "shm_arena", "metrics_address")
+    __slots__ = ("node_id", "host", "machine_id", "data_address", "unix_socket", "shm_arena", "metrics_address", "arena_pages")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class NodeInfo(_message.Message):
     UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SHM_ARENA_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PAGES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     host: str
     machine_id: str
@@ -41,7 +42,8 @@ class NodeInfo(_message.Message):
     unix_socket: str
     shm_arena: str
     metrics_address: str
-    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., machine_id: _Optional[str] = ..., data_address: _Optional[str] = ..., unix_socket: _Optional[str] = ..., shm_arena: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    arena_pages: str
+    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., machine_id: _Optional[str] = ..., data_address: _Optional[str] = ..., unix_socket: _Optional[str] = ..., shm_arena: _Optional[str] = ..., metrics_address: _Optional[str] = ..., arena_pages: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "capacity", "used", "blocks", "hits", "misses", "evictions", "demotions", "promotions", "checksum_failures")

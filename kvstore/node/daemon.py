@@ -15,6 +15,7 @@ from kvstore.node.store import BlockStore
 from kvstore.tiers.arena import on_huge_pages, shm_dir
 
 log = logging.getLogger(__name__)
+ARENA_PAGES = {True: "huge", False: "4KiB", None: ""}  # on_huge_pages() -> NodeInfo.arena_pages
 
 
 @dataclass
@@ -97,6 +98,7 @@ class StorageNode:
             unix_socket=self.server.unix_path or "",
             shm_arena=self.store._dram.arena.name,
             metrics_address=self.metrics.address if self.metrics else "",
+            arena_pages=ARENA_PAGES[on_huge_pages(os.path.dirname(self.store._dram.arena.path))],
         )
 
     def data_address(self) -> str:
