@@ -59,6 +59,19 @@ def test_pull_copies_blocks_node_to_node(make_node):
     assert not target.store.exists(missing)
 
 
+def test_a_kept_connection_that_broke_is_replaced(make_node):
+    source, target = make_node(), make_node()
+    keys = keys_of("redial", 2)
+    for k in keys:
+        source.store.put(k, value_for(k, 4 * KiB))
+    with TcpConnection(target.address) as conn:
+        assert conn.pull_many(source.address, [(keys[0], 0)]) == [True]
+        (kept,) = target.puller._idle[source.address]
+        kept._sock.close()  # as if the source had restarted since
+        assert conn.pull_many(source.address, [(keys[1], 0)]) == [True]
+    assert target.store.get(keys[1]) == value_for(keys[1], 4 * KiB)
+
+
 def test_pull_from_an_unreachable_source_stores_nothing(make_node):
     target = make_node()
     dead = socket.socket()

@@ -82,10 +82,17 @@ class BlockPuller:
         return statuses
 
     def _connection(self, source: str) -> TcpConnection:
+        """A kept connection to ``source`` that still answers a PING (the source may have
+        restarted since), else a new one."""
         with self._lock:
             idle = self._idle.get(source)
-            if idle:
-                return idle.pop()
+            kept = idle.pop() if idle else None
+        if kept is not None:
+            try:
+                kept.ping()
+                return kept
+            except KVStoreError:
+                kept.close()
         return TcpConnection(source, timeout=self._timeout)
 
     def _give_back(self, source: str, conn: TcpConnection) -> None:
