@@ -126,7 +126,6 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         self.lease_ttl: float | None = None if ttl is None else float(ttl)  # the node's, from INFO
         self._direct: OneSidedReads | None = None  # reads through the node's block directory
         self._touch_due = _NEVER  # when the oldest unreported one-sided read must be reported
-        self._grant: tuple | None = None  # (id, sizes, offsets): arena space the node set aside for the next put
         try:
             self._mem = self._map_arena(arena_name)
             directory = self._map_directory() if one_sided and ONE_SIDED_READS else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -11,6 +12,24 @@ from kvstore.node.store import BlockStore
 from kvstore.policy import POLICIES
 
 KiB = 1 << 10
+
+
+def run_in_threads(work, n: int, timeout: float | None = None) -> list[BaseException]:
+    """Run ``work(i)`` for i in range(n), each in a thread of its own; what they raised."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:  # reported to the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return errors
 
 
 def value_for(key, size: int) -> bytes:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 import urllib.request
 
 import numpy as np
 import pytest
 
 from kvstore_client import BlockHasher, Client
-from tests.conftest import value_for
+from tests.conftest import run_in_threads, value_for
 from tests.processes import start_master, start_node, wait_for
 
 KiB = 1 << 10
@@ -139,26 +138,18 @@ def test_master_restart_rebuilds_the_index(tmp_path):
 
 def test_many_concurrent_clients(cluster):
     master, _ = cluster
-    errors = []
 
     def worker(w: int) -> None:
-        try:
-            with Client(master.record["master"], prefer_shm=w % 2 == 0) as client:
-                keys = keys_of(20, ns=f"tenant{w}")
-                values = [value_for(k, 20 * KiB + w) for k in keys]
-                for _ in range(3):
-                    client.batch_put(keys, values)
-                    got = client.batch_get(keys)
-                    assert all(g is None or g == v for g, v in zip(got, values))
-                    assert sum(g is not None for g in got) == len(keys)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        with Client(master.record["master"], prefer_shm=w % 2 == 0) as client:
+            keys = keys_of(20, ns=f"tenant{w}")
+            values = [value_for(k, 20 * KiB + w) for k in keys]
+            for _ in range(3):
+                client.batch_put(keys, values)
+                got = client.batch_get(keys)
+                assert all(g is None or g == v for g, v in zip(got, values))
+                assert sum(g is not None for g in got) == len(keys)
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    errors = run_in_threads(worker, 8, timeout=60)
     assert not errors, errors
 
 

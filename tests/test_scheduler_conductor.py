@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
@@ -12,6 +11,7 @@ from kvstore.scheduler import (Conductor, CostModel, CostParams, Decision, Decod
                                Rejected, RejectReason, SimClock)
 from kvstore.scheduler.clock import MonotonicClock
 from kvstore_client.errors import ConfigError
+from tests.conftest import run_in_threads
 
 NS = "test"
 KEYS = [i.to_bytes(8, "big") for i in range(1, 9)]
@@ -230,20 +230,13 @@ def test_no_instances_and_bad_modes():
 def test_schedule_is_thread_safe():
     c = make("off", prefill=4, decode=2, clock=MonotonicClock())
     c.index.apply("n0", [(NS, [(STORED, DRAM, k) for k in KEYS])])
-    decisions, errors = [], []
+    decisions = []
 
     def worker(t):
-        try:
-            for i in range(200):
-                decisions.append(c.schedule(KEYS, 4096, 10, request_id=(t, i)))
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
+        for i in range(200):
+            decisions.append(c.schedule(KEYS, 4096, 10, request_id=(t, i)))
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_in_threads(worker, 8)
     assert not errors and len(decisions) == 1600
     loads = c.loads()["prefill"]
     assert sum(v["assigned"] for v in loads.values()) == 1600

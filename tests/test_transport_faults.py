@@ -37,6 +37,7 @@ from kvstore_client.wire import (
     pack_header,
     put_entry,
 )
+from tests.conftest import run_in_threads
 
 KiB, MiB = 1 << 10, 1 << 20
 MAX_BLOCK = 2 * MiB
@@ -370,26 +371,17 @@ def test_pipelined_requests_are_answered_in_order(server):
 
 
 def test_many_concurrent_clients_get_exact_bytes(server):
-    errors = []
-
     def client(n: int) -> None:
-        try:
-            kind = (TcpConnection, UnixConnection, ShmConnection)[n % 3]
-            with kind(server.unix_path if kind is not TcpConnection else server.address) as conn:
-                keys = [key(f"client-{n}-{i}") for i in range(8)]
-                for round_ in range(40):
-                    values = [xxhash.xxh3_128_digest(f"{n}/{i}/{round_}".encode()) * (64 * (i + 1)) for i in range(8)]
-                    assert conn.put_many(list(zip(keys, values))) == [None] * 8
-                    assert conn.get_many(keys) == values
-                    assert conn.exists_many(keys[:4]) == [True] * 4
-        except Exception as exc:  # reported below
-            errors.append(exc)
+        kind = (TcpConnection, UnixConnection, ShmConnection)[n % 3]
+        with kind(server.unix_path if kind is not TcpConnection else server.address) as conn:
+            keys = [key(f"client-{n}-{i}") for i in range(8)]
+            for round_ in range(40):
+                values = [xxhash.xxh3_128_digest(f"{n}/{i}/{round_}".encode()) * (64 * (i + 1)) for i in range(8)]
+                assert conn.put_many(list(zip(keys, values))) == [None] * 8
+                assert conn.get_many(keys) == values
+                assert conn.exists_many(keys[:4]) == [True] * 4
 
-    threads = [threading.Thread(target=client, args=(n,)) for n in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_in_threads(client, 16)
     assert not errors, errors[:3]
 
 

@@ -64,12 +64,16 @@ class StorageNode:
         self.server = None
         self.metrics = None
         self.agent = None
+        self.arena_pages = ""  # NodeInfo.arena_pages, found once at start
 
     def start(self) -> "StorageNode":
         from kvstore.transport.server import DataPlaneServer
 
         opts = self.options
         self.store = BlockStore(self.config)
+        arena_dir = os.path.dirname(self.store._dram.arena.path)
+        huge = on_huge_pages(arena_dir)
+        self.arena_pages = ARENA_PAGES[huge]
         unix_path = os.path.join(shm_dir(), f"kvstore-{self.node_id}.sock") if opts.unix_socket else None
         self.server = DataPlaneServer(self.store, host=opts.host, port=opts.port, unix_path=unix_path,
                                       node_id=self.node_id, machine_id=machine_id()).start()
@@ -83,8 +87,7 @@ class StorageNode:
 
             self.agent = MasterAgent(opts.master, self.info(), self.store).start()
         log.info("node %s serving data on %s", self.node_id, self.server.address)
-        arena_dir = os.path.dirname(self.store._dram.arena.path)
-        if on_huge_pages(arena_dir) is False:
+        if huge is False:
             log.info("the DRAM arena in %s is on 4 KiB pages: same-host copies run below memcpy speed; "
                      "a tmpfs mounted with huge=within_size (--shm-dir) fixes that", arena_dir)
         return self
@@ -98,7 +101,7 @@ class StorageNode:
             unix_socket=self.server.unix_path or "",
             shm_arena=self.store._dram.arena.name,
             metrics_address=self.metrics.address if self.metrics else "",
-            arena_pages=ARENA_PAGES[on_huge_pages(os.path.dirname(self.store._dram.arena.path))],
+            arena_pages=self.arena_pages,
         )
 
     def data_address(self) -> str:
