@@ -228,11 +228,9 @@ class Client:
         if any(k[0] != namespace for k in keys):
             raise InvalidValue("a prefix chain lives in one namespace")
         reply = self._call(self._stub.MatchPrefix, pb.KeyBatch(namespace=namespace, digests=[k[1] for k in keys]))
-        longest = reply.longest
-        if longest < len(keys):  # read your writes: blocks this client just stored may not be indexed yet
-            cached = self._locations.lookup(keys[longest:])
-            longest += next((i for i, r in enumerate(cached) if not r), len(cached))
-        return PrefixMatch(longest, dict(reply.node_prefix_blocks))
+        # read your writes: blocks this client just stored may not be indexed yet
+        return with_cached_locations(PrefixMatch(reply.longest, dict(reply.node_prefix_blocks)),
+                                     self._locations.lookup(keys))
 
     def remove(self, key: BlockKey) -> bool:
         """Remove the block from every node holding it; False if none did."""
@@ -383,6 +381,24 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def with_cached_locations(match: PrefixMatch, cached: list) -> PrefixMatch:
+    """``match`` (the master's answer for a chain) extended by the locations this client
+    holds for the chain's keys (``cached[i]``: replicas of key i, or None), overall and per
+    node: what it stored a moment ago is found before the master has indexed it."""
+    n = len(cached)
+    longest = match.longest
+    while longest < n and cached[longest]:
+        longest += 1
+    per_node = dict(match.per_node)
+    for node_id in {node_id for replicas in cached if replicas for node_id, _ in replicas}:
+        held = per_node.get(node_id, 0)
+        while held < n and cached[held] and any(r[0] == node_id for r in cached[held]):
+            held += 1
+        if held:
+            per_node[node_id] = held
+    return PrefixMatch(longest, per_node)
 
 
 def _group_by_namespace(keys: Sequence[BlockKey]) -> dict[str, list[int]]:

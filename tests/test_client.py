@@ -7,7 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from kvstore_client import AsyncClient, BlockHasher, Client
+from kvstore_client import AsyncClient, BlockHasher, Client, PrefixMatch
+from kvstore_client.client import with_cached_locations
 from kvstore_client.errors import BufferTooSmall, InvalidKey, InvalidValue, ServiceUnavailable
 from kvstore.benchmark import embedded_pool
 from tests.conftest import value_for
@@ -65,6 +66,22 @@ def test_token_helpers_store_and_load_a_prefix(client):
     other = list(tokens)
     other[20] = 99999  # diverges in block 1
     assert client.load_prefix(hasher, other, [bytearray(8 * KiB) for _ in range(12)]) == 16
+
+
+def test_match_prefix_sees_own_writes_per_node_at_once(client):
+    keys = [(f"own-{client.prefer_shm}", bytes([i]) * 16) for i in range(5)]
+    client.batch_put(keys, [value_for(i, 4 * KiB) for i in range(5)], depths=range(5))
+    match = client.match_prefix(keys)  # before or after the master has indexed them: the same answer
+    (node_id,) = {n.info.node_id for n in client.cluster_status().nodes}
+    assert match == PrefixMatch(5, {node_id: 5})
+
+
+def test_cached_locations_extend_a_match_overall_and_per_node():
+    cached = [(("a", 1),), (("a", 1), ("b", 1)), (("b", 1),), None, (("a", 1),)]
+    got = with_cached_locations(PrefixMatch(1, {"a": 1, "c": 1}), cached)
+    assert got == PrefixMatch(3, {"a": 2, "c": 1})  # b holds block 1 but not block 0: no leading run
+    assert with_cached_locations(PrefixMatch(0, {}), [None, (("a", 1),)]) == PrefixMatch(0, {})
+    assert with_cached_locations(PrefixMatch(2, {"b": 2}), [(), (), (("b", 1),)]) == PrefixMatch(3, {"b": 3})
 
 
 def test_remove_and_exists(client):
