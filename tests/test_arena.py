@@ -74,6 +74,21 @@ def test_arena_larger_than_shared_memory_is_a_clear_error():
     assert set(os.listdir(shm_dir())) <= before  # nothing left behind
 
 
+def test_arena_larger_than_available_memory_is_refused_before_any_is_taken():
+    import pytest
+
+    from kvstore.tiers.arena import memory_available
+    from kvstore_client.errors import ConfigError
+
+    available = memory_available()
+    if available is None:
+        pytest.skip("no /proc/meminfo here")
+    before = set(os.listdir(shm_dir()))
+    with pytest.raises(ConfigError, match="shared memory"):
+        SharedArena.create(available + (1 << 30))
+    assert set(os.listdir(shm_dir())) <= before
+
+
 MOUNTINFO = [
     "22 1 0:21 / / rw,relatime - overlay overlay rw,lowerdir=/a",
     "30 22 0:26 / /dev/shm rw,nosuid,nodev - tmpfs shm rw,size=65536k",

@@ -81,6 +81,7 @@ class SharedArena:
         if size <= 0:
             raise ConfigError("arena size must be positive")
         reap_stale_arenas()
+        _check_room(size, shm_dir())
         name = name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
         path = os.path.join(shm_dir(), name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -122,9 +123,37 @@ class SharedArena:
             self._unlink_at_exit()
 
 
+def _check_room(size: int, directory: str) -> None:
+    """Refuse an arena that ``directory`` or this machine's memory cannot hold before taking
+    any of it: a fallocate of too much fills the tmpfs, and the host's memory, on its way to
+    failing, so other processes get SIGBUS or the OOM killer meanwhile."""
+    fs = os.statvfs(directory)
+    free = fs.f_bavail * fs.f_frsize
+    if size > free:
+        raise ConfigError(f"cannot reserve {size} bytes of shared memory in {directory} ({free} free); "
+                          "lower the DRAM tier or enlarge the tmpfs (docker: --shm-size)")
+    available = memory_available() if fs.f_frsize <= mmap.PAGESIZE else None  # hugetlbfs: a pool of its own
+    if available is not None and size > available:
+        raise ConfigError(f"cannot reserve {size} bytes of shared memory: this machine has {available} bytes "
+                          "of memory available (MemAvailable); lower the DRAM tier")
+
+
+def memory_available() -> int | None:
+    """Bytes of memory the kernel could give without swapping (MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _reserve(fd: int, size: int, path: str) -> None:
     """Back the whole arena with memory now, so a full /dev/shm is a clear error at
-    start-up rather than a SIGBUS on some later write."""
+    start-up rather than a SIGBUS on some later write (``_check_room`` catches the usual
+    case first; this one, another process filling the tmpfs in between)."""
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
