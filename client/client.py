@@ -47,15 +47,19 @@ class Client:
 
     ``prefer_shm``: use shared memory with nodes on this host. ``location_ttl``:
     seconds a block location stays cached. ``replicas``: copies per put
-    (0 = the master's replication factor). ``verify``: check block checksums
+    (0 = the master's replication factor). ``placement_ttl`` and
+    ``placement_bytes``: one placement from the master serves this client's
+    puts to a namespace for that many seconds or bytes, whichever ends first
+    (the master counts those bytes against the chosen nodes, so concurrent
+    writers spread over the pool). ``verify``: check block checksums
     on every read (cheap: XXH3-64). ``data_path``: force "tcp", "unix" or
     "shm" (default None: shared memory on this host when ``prefer_shm``, else
     the Unix socket, TCP to other hosts).
     """
 
     def __init__(self, master: str, *, prefer_shm: bool = True, location_ttl: float = 2.0,
-                 placement_ttl: float = 1.0, replicas: int = 0, verify: bool = True, timeout: float = 10.0,
-                 data_path: str | None = None):
+                 placement_ttl: float = 1.0, placement_bytes: int = 64 << 20, replicas: int = 0,
+                 verify: bool = True, timeout: float = 10.0, data_path: str | None = None):
         self.master = master
         self.prefer_shm = prefer_shm
         self.replicas = replicas
@@ -68,7 +72,8 @@ class Client:
         self._stub = pb_grpc.MasterStub(self._channel)
         self._locations = LocationCache(location_ttl)
         self._placement_ttl = placement_ttl
-        self._placements: dict[str, tuple[float, list[pb.NodeInfo]]] = {}
+        self._placement_bytes = placement_bytes
+        self._placements: dict[str, tuple[float, int, list[pb.NodeInfo]]] = {}  # (until, bytes left, nodes)
         self._nodes: dict[str, pb.NodeInfo] = {}
         self._lock = threading.Lock()  # guards _nodes, _placements and _all_connections
         self._local = threading.local()
@@ -329,12 +334,16 @@ class Client:
         return [node_id for node_id, _ in sorted(replicas, key=rank)]
 
     def _placement(self, namespace: str, nbytes: int) -> list[pb.NodeInfo]:
+        """Nodes for a put of ``nbytes``: the cached placement while it has time and bytes left,
+        else a new one for ``placement_bytes`` (or ``nbytes`` if more) of puts."""
         now = time.monotonic()
         with self._lock:
             cached = self._placements.get(namespace)
-        if cached is not None and cached[0] > now:
-            return cached[1]
-        reply = self._call(self._stub.Place, pb.PlaceRequest(namespace=namespace, bytes=nbytes,
+            if cached is not None and cached[0] > now and cached[1] >= nbytes:
+                self._placements[namespace] = (cached[0], cached[1] - nbytes, cached[2])
+                return cached[2]
+        budget = max(nbytes, self._placement_bytes)
+        reply = self._call(self._stub.Place, pb.PlaceRequest(namespace=namespace, bytes=budget,
                                                               replicas=self.replicas, machine_id=machine_id()))
         if not reply.nodes:
             raise ServiceUnavailable("the master knows no live storage node to put blocks on")
@@ -342,7 +351,7 @@ class Client:
         with self._lock:
             for node in nodes:
                 self._nodes[node.node_id] = node
-            self._placements[namespace] = (now + self._placement_ttl, nodes)
+            self._placements[namespace] = (now + self._placement_ttl, budget - nbytes, nodes)
         return nodes
 
     def _conn(self, node: pb.NodeInfo):

@@ -72,6 +72,21 @@ def test_prefix_match_across_nodes(cluster):
         assert match.per_node[second.node_id] == 2
 
 
+def test_a_burst_of_puts_spreads_over_the_nodes(cluster):
+    """Heartbeats are a second apart; placements charged to their node spread a burst anyway."""
+    master, nodes = cluster
+    keys = keys_of(24, ns="burst")
+    with Client(master.record["master"], placement_bytes=512 * KiB) as client:
+        for i in range(0, len(keys), 2):
+            client.batch_put(keys[i:i + 2], [value_for(k, 256 * KiB) for k in keys[i:i + 2]])
+
+        def holders() -> set[str]:
+            return {node_id for replicas in client._locate(keys, use_cache=False) for node_id, _ in replicas}
+
+        wait_for(lambda: len(holders()) == 3)
+        assert holders() == {n.record["node_id"] for n in nodes}
+
+
 def test_killed_node_reads_as_miss_then_leaves_the_index(cluster):
     master, nodes = cluster
     keys = keys_of(10)

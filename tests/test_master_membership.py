@@ -96,6 +96,17 @@ def test_remove(members):
     assert members.index.size() == 0
 
 
+def test_placed_bytes_count_against_free_dram_until_the_next_heartbeat(members):
+    members.register(NodeInfo("a"))
+    members.heartbeat("a", [TierStats("dram", capacity=100, used=30)])
+    members.charge(["a", "unknown"], 50)
+    assert members.get("a").dram_free() == 20
+    members.charge(["a"], 50)
+    assert members.get("a").dram_free() == -30  # full, and handed 30 more: ranks below a full node handed less
+    members.heartbeat("a", [TierStats("dram", capacity=100, used=100)])  # the writes landed, and are in used
+    assert members.get("a").dram_free() == 0
+
+
 # -- placement ---------------------------------------------------------------------------------
 
 def cand(node_id, machine, free, blocks_=0):

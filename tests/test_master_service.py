@@ -106,6 +106,15 @@ def test_place_local_first_then_most_free(stub, cluster):
     assert place(replicas=5) == ["b", "c", "a"]  # best effort
 
 
+def test_successive_placements_spread_over_equally_free_nodes(stub):
+    for node_id in "xyz":
+        stub.Register(pb.RegisterRequest(info=node_info(node_id, "m9")))
+        stub.Heartbeat(pb.HeartbeatRequest(node_id=node_id, tiers=dram(1 << 30, 0)))
+    chosen = [stub.Place(pb.PlaceRequest(namespace=NS, bytes=64 << 20, replicas=1, machine_id="m9")).nodes[0].node_id
+              for _ in range(6)]
+    assert sorted(chosen) == ["x", "x", "y", "y", "z", "z"]  # each placement is charged to its node
+
+
 def test_cluster_status(stub, cluster):
     reply = stub.ClusterStatus(pb.ClusterStatusRequest())
     assert reply.indexed_keys == 6 and reply.replication_factor == 2

@@ -70,17 +70,19 @@ class NodeState:
     registered_at: float
     last_seen: float
     tiers: tuple[TierStats, ...] = field(default=())
+    placed: int = 0  # bytes of puts placed on it since its latest heartbeat (not in ``used`` yet)
 
     @property
     def node_id(self) -> str:
         return self.info.node_id
 
     def dram_free(self) -> int:
-        """DRAM capacity minus used bytes from the latest heartbeat (0 before the first one)."""
-        for t in self.tiers:
-            if t.tier.lower() == "dram":
-                return max(0, t.capacity - t.used)
-        return 0
+        """Free DRAM as far as the master can tell: capacity minus used bytes from the latest
+        heartbeat (none yet: 0), minus what was placed on it since. Below zero once a full node
+        was handed more: in a cache a full node still takes writes (it evicts), and this keeps
+        full nodes ranked by how much each was handed, so writers spread over them."""
+        free = next((max(0, t.capacity - t.used) for t in self.tiers if t.tier.lower() == "dram"), 0)
+        return free - self.placed
 
 
 def check_node_id(node_id: str) -> str:
@@ -117,8 +119,16 @@ class Membership:
             state = self._nodes.get(node_id)
             if state is None:
                 return False
-            self._nodes[node_id] = replace(state, last_seen=self._clock(), tiers=tuple(tiers))
+            self._nodes[node_id] = replace(state, last_seen=self._clock(), tiers=tuple(tiers), placed=0)
             return True
+
+    def charge(self, node_ids: Iterable[str], nbytes: int) -> None:
+        """Count ``nbytes`` placed on each node until its next heartbeat reports them as used."""
+        with self._lock:
+            for node_id in node_ids:
+                state = self._nodes.get(node_id)
+                if state is not None:
+                    self._nodes[node_id] = replace(state, placed=state.placed + max(0, nbytes))
 
     def touch(self, node_id: str) -> bool:
         """Renew the node's lease (any message from it is a sign of life). False if unknown."""

@@ -8,8 +8,10 @@ Rule (``Placement.choose``), primary first, never the same node twice:
    full in steady state and evicts to make room; landing in the writer's own
    DRAM is what makes the put (and the next same-host get) cheap.
 2. Otherwise, and for every further replica: most free DRAM bytes first
-   (capacity - used from the node's latest heartbeat), ties broken by fewer
-   indexed blocks, then by node id (deterministic).
+   (capacity - used from the node's latest heartbeat, minus the bytes placed
+   on it since: ``NodeState.dram_free``, so a burst of puts spreads instead
+   of piling onto the node that was emptiest a heartbeat ago), ties broken by
+   fewer indexed blocks, then by node id (deterministic).
 3. Replicas prefer machines not used yet (a second copy on the same machine
    does not survive that machine); only when every machine is used does a
    second node of one machine get picked.

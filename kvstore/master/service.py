@@ -112,6 +112,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         self.placement = placement
         self.heartbeat_interval_s = heartbeat_interval_s
         self._counts_lock = threading.Lock()
+        self._place_lock = threading.Lock()
         self._counts: dict[tuple[str, str], int] = {}
         self._location_cache: dict[ix.Holders, pb.KeyLocation] = {}
 
@@ -182,11 +183,13 @@ class MasterServicer(pb_grpc.MasterServicer):
     def Place(self, request, context):
         check_namespace(request.namespace)
         counts = self.index.node_counts()
-        live = {s.node_id: s for s in self.membership.live_nodes()}
-        candidates = [
-            Candidate(n, s.info.machine_id, s.dram_free(), sum(counts.get(n, {}).values())) for n, s in live.items()
-        ]
-        chosen = self.placement.choose(candidates, machine_id=request.machine_id, replicas=request.replicas)
+        with self._place_lock:  # rank and charge as one step: concurrent writers spread out
+            live = {s.node_id: s for s in self.membership.live_nodes()}
+            candidates = [
+                Candidate(n, s.info.machine_id, s.dram_free(), sum(counts.get(n, {}).values())) for n, s in live.items()
+            ]
+            chosen = self.placement.choose(candidates, machine_id=request.machine_id, replicas=request.replicas)
+            self.membership.charge(chosen, request.bytes)
         return pb.PlaceReply(nodes=[info_to_pb(live[n].info) for n in chosen])
 
     # -- admin ---------------------------------------------------------------------------------
