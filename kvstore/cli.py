@@ -254,6 +254,9 @@ def keys(master_address, namespace, limit, as_json) -> None:
 
     with connect(master_address) as client:
         record = keys_record(client.list_keys(namespace=namespace, limit=limit))
+    if namespace and namespace not in record["namespaces"]:
+        raise click.ClickException(f"no block in the pool is in namespace {namespace!r} "
+                                   f"(namespaces: {', '.join(record['namespaces']) or 'none yet'})")
     click.echo(json.dumps(record, indent=2) if as_json else format_keys(record))
 
 

@@ -68,6 +68,8 @@ def test_up_serves_status_keys_and_stops_cleanly_on_sigterm(tmp_path):
         assert up.record["node_id"] in kvstore("status", "--master", master).stdout
         listed = json.loads(kvstore("keys", "--master", master, "--namespace", "cli-test", "--json").stdout)
         assert sorted(bytes.fromhex(k["digest"]) for k in listed["keys"]) == sorted(k[1] for k in keys)
+        unknown = kvstore("keys", "--master", master, "--namespace", "cli-tset")
+        assert unknown.returncode == 1 and "namespace 'cli-tset'" in unknown.stderr and "cli-test" in unknown.stderr
         assert up.terminate() == 0
         assert not os.path.exists(up.record["unix_socket"])
         assert not os.path.exists(os.path.join(shm_dir(), up.record["shm_arena"]))
