@@ -75,6 +75,11 @@ def _use_shm_dir(ctx, param, value):
     return value
 
 
+advertise_option = click.option(
+    "--advertise", default=None,
+    help="Host name clients should use to reach the node (default: --host; this machine's name for 0.0.0.0).")
+
+
 def store_options(f):
     """Options shared by `node` and `up`: the node's tiers and eviction."""
     options = [
@@ -162,7 +167,7 @@ def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcac
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve blocks on.")
 @click.option("--port", type=int, default=7701, show_default=True, help="Data-plane TCP port (0: any free port).")
 @click.option("--metrics-port", type=int, default=7703, show_default=True, help="Prometheus port (0: any, -1: off).")
-@click.option("--advertise", default=None, help="Host name clients should use to reach this node (default: --host).")
+@advertise_option
 @store_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def node(master_address, host, port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json) -> None:
@@ -212,16 +217,18 @@ def node_lines(storage) -> list[str]:
 @click.option("--data-port", type=int, default=7701, show_default=True, help="Node data-plane port (0: any).")
 @click.option("--metrics-port", type=int, default=7702, show_default=True,
               help="Master metrics port; the node's is the next one (0: any, -1: off).")
+@advertise_option
 @store_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
-def up(host, port, data_port, metrics_port, data_dir, dram, ssd, max_block, policy, as_json) -> None:
+def up(host, port, data_port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json) -> None:
     """Run the embedded default: a master and one storage node in this process."""
     from kvstore.serving import StopSignals
 
     signals = StopSignals()
     master_server = start_master(host, port, metrics_port, 5.0, 1)
     node_metrics = metrics_port + 1 if metrics_port > 0 else metrics_port
-    storage = start_node(master_server.address, host, data_port, node_metrics, data_dir, dram, ssd, max_block, policy)
+    storage = start_node(master_server.address, host, data_port, node_metrics, data_dir, dram, ssd, max_block, policy,
+                         advertise)
     announce(as_json, [f"kvstore up: master on {master_server.address}"] + node_lines(storage) +
              [f"try: kvstore status --master {master_server.address}"],
              {"master": master_server.address, "master_metrics": master_server.metrics_address, **node_record(storage)})

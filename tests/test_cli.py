@@ -89,9 +89,10 @@ def test_node_puts_its_arena_in_the_shm_dir_it_is_given(tmp_path):
     arenas = tmp_path / "arenas"
     arenas.mkdir()
     up = Service(["up", "--port", "0", "--data-port", "0", "--metrics-port", "-1", "--data-dir", str(tmp_path / "d"),
-                  "--dram", "16MiB", "--ssd", "0", "--shm-dir", str(arenas)])
+                  "--dram", "16MiB", "--ssd", "0", "--shm-dir", str(arenas), "--advertise", "localhost"])
     try:
         assert os.path.exists(arenas / up.record["shm_arena"])
+        assert up.record["data"].startswith("localhost:")  # what clients elsewhere are told to dial
         assert up.record["unix_socket"].startswith(str(arenas))
         status = json.loads(kvstore("status", "--master", up.record["master"], "--json").stdout)
         assert status["nodes"][0]["arena_pages"] == "4KiB"  # a test's temp dir has no huge pages

@@ -126,8 +126,6 @@ def test_torch_cpu_tensors_in_and_out(client):
 @pytest.fixture
 def two_replicas(tmp_path):
     """A master that keeps two copies of every block, and its two nodes, in this process."""
-    import time
-
     from kvstore.master.server import MasterServer
     from kvstore.node.config import StoreConfig
     from kvstore.node.daemon import NodeOptions, StorageNode
@@ -135,10 +133,7 @@ def two_replicas(tmp_path):
     master = MasterServer(port=0, ttl_s=5.0, heartbeat_interval_s=0.5, replication_factor=2).start()
     nodes = [StorageNode(StoreConfig(dram_capacity=16 << 20, max_block_bytes=1 << 20),
                          NodeOptions(master=master.address, data_dir=str(tmp_path / f"n{i}"))).start()
-             for i in range(2)]
-    deadline = time.monotonic() + 10
-    while not all(n.agent.registered for n in nodes) and time.monotonic() < deadline:
-        time.sleep(0.02)
+             for i in range(2)]  # start() returns once the master knows the node
     yield master.address, nodes
     for node in nodes:
         node.stop()

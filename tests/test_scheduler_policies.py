@@ -139,7 +139,7 @@ def test_decode_goes_to_the_least_loaded_instance_within_the_slo():
     c = make("kvcache_centric", decode=3)
     rids = []
     for i in range(3):
-        d = c.schedule(BLOCKS, INPUT, 100, now=0.0, request_id=i)
+        c.schedule(BLOCKS, INPUT, 100, now=0.0, request_id=i)
         c.prefill_started(i, now=0.0)
         rids.append(c.prefill_finished(i, now=1.0).decode)
     assert sorted(rids) == ["d0", "d1", "d2"]  # one each: always the least loaded

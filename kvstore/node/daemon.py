@@ -25,6 +25,9 @@ class NodeOptions:
     ``port`` 0 picks a free port; ``metrics_port`` None serves no metrics.
     ``node_id`` defaults to one kept in ``data_dir`` (so a restarted node keeps
     its identity and its SSD blocks), or a random one without a data dir.
+    ``register_wait_s``: how long ``start`` waits for the master to know the
+    node (so clients that come next can be placed on it); after that it keeps
+    trying in the background.
     """
 
     master: str | None = None
@@ -35,6 +38,7 @@ class NodeOptions:
     metrics_port: int | None = None
     node_id: str | None = None
     data_dir: str | None = None
+    register_wait_s: float = 5.0
 
 
 def stable_node_id(data_dir: str | None) -> str:
@@ -86,6 +90,8 @@ class StorageNode:
             from kvstore.node.master_agent import MasterAgent
 
             self.agent = MasterAgent(opts.master, self.info(), self.store).start()
+            if not self.agent.wait_registered(opts.register_wait_s):
+                log.warning("master %s not reachable yet: serving, and registering as soon as it is", opts.master)
         log.info("node %s serving data on %s", self.node_id, self.server.address)
         if huge is False:
             log.info("the DRAM arena in %s is on 4 KiB pages: same-host copies run below memcpy speed; "

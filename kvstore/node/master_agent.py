@@ -46,13 +46,15 @@ class MasterAgent:
                  flush_interval: float = 0.05, max_batch: int = 4096):
         self.info = info
         self._store = store
+        self._master_address = master_address
+        self._unreachable = False  # said once, not on every retry
         self._channel = grpc.insecure_channel(master_address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.MasterStub(self._channel)
         self._events: collections.deque = collections.deque()
         self._flush_interval = flush_interval
         self._max_batch = max_batch
         self._heartbeat_interval = 1.0
-        self._registered = False
+        self._registration = threading.Event()  # set while the master knows this node
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstore-master-agent", daemon=True)
         store.subscribe(self._on_event)
@@ -68,7 +70,11 @@ class MasterAgent:
 
     @property
     def registered(self) -> bool:
-        return self._registered
+        return self._registration.is_set()
+
+    def wait_registered(self, timeout: float) -> bool:
+        """Block until the master knows this node (at most ``timeout`` s); whether it does."""
+        return self._registration.wait(timeout)
 
     def _on_event(self, event: str, key, tier: str) -> None:
         kind = pb.BlockEvent.REMOVED if event == "removed" else pb.BlockEvent.STORED
@@ -79,7 +85,7 @@ class MasterAgent:
         next_heartbeat = 0.0
         while not self._stop.is_set():
             try:
-                if not self._registered:
+                if not self._registration.is_set():
                     self._register()
                     next_heartbeat = 0.0
                 if time.monotonic() >= next_heartbeat:
@@ -87,8 +93,10 @@ class MasterAgent:
                     next_heartbeat = time.monotonic() + self._heartbeat_interval
                 self._flush()
             except grpc.RpcError as exc:
-                log.warning("master %s unreachable: %s", self._channel, exc.code())
-                self._registered = False
+                if not self._unreachable:
+                    log.warning("master %s unreachable (%s): retrying every second", self._master_address, exc.code())
+                self._unreachable = True
+                self._registration.clear()
                 self._stop.wait(min(self._heartbeat_interval, 1.0))
                 continue
             self._stop.wait(self._flush_interval)
@@ -107,14 +115,15 @@ class MasterAgent:
             report = self._report([(key, pb.BlockEvent.STORED, _TIERS[tier]) for key, tier in chunk],
                                   full_inventory=start == 0)
             self._stub.ReportBlocks(report, timeout=30)
-        self._registered = True
+        self._registration.set()
+        self._unreachable = False
         log.info("registered with the master as %s (%d blocks)", self.info.node_id, len(inventory))
 
     def _heartbeat(self) -> None:
         reply = self._stub.Heartbeat(
             pb.HeartbeatRequest(node_id=self.info.node_id, tiers=tier_stats(self._store.stats())), timeout=5)
         if not reply.known:
-            self._registered = False
+            self._registration.clear()
 
     def _flush(self, drain: bool = False) -> None:
         """Report queued events: full batches at once, a partial one only every flush interval.
@@ -124,12 +133,12 @@ class MasterAgent:
         put load, send a report every few events and cost the master and this
         node a gRPC call per put or so.
         """
-        while self._events and self._registered:
+        while self._events and self._registration.is_set():
             batch = []
             while self._events and len(batch) < self._max_batch:
                 batch.append(self._events.popleft())
             if not self._stub.ReportBlocks(self._report(batch, full_inventory=False), timeout=10).known:
-                self._registered = False  # the next registration resends everything
+                self._registration.clear()  # the next registration resends everything
             if len(batch) < self._max_batch and not drain:
                 return
 
