@@ -25,6 +25,7 @@ from kvstore_client.hashing import BlockHasher
 from kvstore_client.hostid import machine_id
 from kvstore_client.keys import BlockKey, check_key
 from kvstore_client.locations import LocationCache
+from kvstore_client.nodes import KnownNodes
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.scheduling import Placement, SchedulingCalls
@@ -74,8 +75,8 @@ class Client:
         self._placement_ttl = placement_ttl
         self._placement_bytes = placement_bytes
         self._placements: dict[str, tuple[float, int, list[pb.NodeInfo]]] = {}  # (until, bytes left, nodes)
-        self._nodes: dict[str, pb.NodeInfo] = {}
-        self._lock = threading.Lock()  # guards _nodes, _placements and _all_connections
+        self._nodes = KnownNodes()
+        self._lock = threading.Lock()  # guards _placements and _all_connections
         self._local = threading.local()
         self._all_connections: list = []
         self.scheduling = SchedulingCalls(self._channel, self._call)
@@ -199,20 +200,29 @@ class Client:
         try:
             return self._on_node(node, lambda c: c.read_many(keys, buffers))
         except OSError as exc:
-            log.warning("node %s unreachable (%s): trying other replicas", node_id, exc)
+            self._nodes.unreachable(node_id, exc)
             return [None] * len(keys), {}
 
     def _on_node(self, node: pb.NodeInfo, call):
-        """``call(connection)``, redialling once: a cached connection may predate a node restart."""
+        """``call(connection)``, redialling once: a cached connection, and the address it was
+        dialled at, may predate a node restart (the redial asks the master for the current one)."""
         try:
             return call(self._conn(node))
         except OSError:  # TransportError included
             self._drop_conn(node.node_id)
+        node = self._nodes.refresh(node, self._live_node_infos)
         try:
             return call(self._conn(node))
         except OSError:
             self._drop_conn(node.node_id)
             raise
+
+    def _live_node_infos(self) -> list[pb.NodeInfo]:
+        """Every live node's info, as the master has it now; none when it cannot be asked."""
+        try:
+            return [n.info for n in self.cluster_status().nodes if n.alive]
+        except ServiceUnavailable:
+            return []
 
     # -- lookups ---------------------------------------------------------------------------
     def exists(self, key: BlockKey) -> bool:
@@ -312,9 +322,7 @@ class Client:
             positions = [missing[j] for j in idx]
             reply = self._call(self._stub.Locate,
                                pb.KeyBatch(namespace=namespace, digests=[keys[i][1] for i in positions]))
-            with self._lock:
-                for node in reply.nodes:
-                    self._nodes[node.node_id] = node
+            self._nodes.update(reply.nodes)
             fresh = []
             for i, location in zip(positions, reply.locations):
                 found[i] = tuple((r.node_id, r.tier) for r in location.replicas)
@@ -348,9 +356,8 @@ class Client:
         if not reply.nodes:
             raise ServiceUnavailable("the master knows no live storage node to put blocks on")
         nodes = list(reply.nodes)
+        self._nodes.update(nodes)
         with self._lock:
-            for node in nodes:
-                self._nodes[node.node_id] = node
             self._placements[namespace] = (now + self._placement_ttl, budget - nbytes, nodes)
         return nodes
 

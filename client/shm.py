@@ -49,7 +49,6 @@ from kvstore_client.directory import ONE_SIDED_READS, DirectoryReader, OneSidedR
 from kvstore_client.errors import (
     BufferTooSmall,
     ChecksumMismatch,
-    ConfigError,
     InvalidValue,
     KVStoreError,
     ProtocolError,
@@ -141,7 +140,8 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
             raise TransportError(f"node at {self.target} runs on another host: use TcpConnection")
         name = os.path.basename(arena_name or info["arena"])
         if name != info["arena"]:
-            raise ConfigError(f"arena {name!r} is not the node's (it serves {info['arena']!r})")
+            raise TransportError(f"arena {name!r} is not the node's (it serves {info['arena']!r}): "
+                                 "the node restarted since its address was looked up")
         path = os.path.join(os.path.dirname(info["arena_path"]), name)
         try:
             self._arena, view = map_arena(path)

@@ -129,6 +129,31 @@ def test_node_restart_brings_ssd_blocks_back(tmp_path):
         master.close()
 
 
+@pytest.mark.parametrize("data_path", ["shm", "tcp"])
+def test_a_client_follows_a_restarted_node_to_its_new_port_and_arena(tmp_path, data_path):
+    master = start_master(ttl=1.0)
+    node = start_node(master.record["master"], tmp_path / "n", dram="8MiB", ssd="0")
+    try:
+        # placements kept a minute: the client still holds the old addresses when it next writes
+        with Client(master.record["master"], data_path=data_path, placement_ttl=60) as client:
+            wait_for(lambda: node_ids(client))
+            before, after = keys_of(4, ns="restart"), keys_of(8, ns="restart")[4:]
+            client.batch_put(before, [value_for(k, 64 * KiB) for k in before])
+            assert client.get(before[0]) == value_for(before[0], 64 * KiB)
+            old_address = node.record["data"]
+            node.kill()
+            node = start_node(master.record["master"], tmp_path / "n", dram="8MiB", ssd="0")
+            assert node.record["data"] != old_address
+            wait_for(lambda: any(n.alive and n.info.data_address == node.record["data"]
+                                 for n in client.cluster_status().nodes))
+            client.batch_put(after, [value_for(k, 64 * KiB) for k in after])  # redials at the new address
+            assert client.batch_get(after) == [value_for(k, 64 * KiB) for k in after]
+            assert client.get(before[0]) is None  # DRAM did not survive the kill: a miss, not an error
+    finally:
+        node.close()
+        master.close()
+
+
 def test_master_restart_rebuilds_the_index(tmp_path):
     master = start_master(ttl=1.0)
     address = master.record["master"]
