@@ -31,7 +31,11 @@ from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.scheduling import Placement, SchedulingCalls
 
 log = logging.getLogger(__name__)
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+# Reconnect to a master that went away within a second of its return (gRPC's default backoff
+# grows to two minutes, and calls fail fast meanwhile).
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 @dataclass

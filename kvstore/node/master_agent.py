@@ -16,6 +16,7 @@ import time
 
 import grpc
 
+from kvstore_client.client import GRPC_OPTIONS
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.node.store import BlockStore
@@ -24,7 +25,6 @@ log = logging.getLogger(__name__)
 
 _TIERS = {"dram": pb.DRAM, "ssd": pb.SSD}
 _INVENTORY_CHUNK = 50_000
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 def tier_stats(stats: dict) -> list:
