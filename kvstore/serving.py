@@ -4,28 +4,47 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from typing import Callable
+
+POLL_S = 0.1
 
 
 class StopSignals:
     """SIGTERM and SIGINT, caught from construction on: create it before starting services,
     so that a signal that arrives while they start or announce themselves still stops them
-    cleanly (instead of killing the process with arenas and sockets left behind)."""
+    cleanly (instead of killing the process with arenas and sockets left behind).
+
+    The handler only sets a flag that ``wait`` polls: a handler runs in the main thread
+    between two bytecodes, so one that took a lock (``Event.set`` does) would deadlock
+    whenever the signal landed while the main thread held that lock. Handlers are installed
+    only in the main thread (elsewhere ``wait`` returns when the process ends)."""
 
     def __init__(self) -> None:
-        self._done = threading.Event()
-        self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._stopping = False
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _handler(self, signum, frame) -> None:
-        self._done.set()
+        self._stopping = True
+
+    def wait(self) -> None:
+        """Block until a signal came (at once if one came already)."""
+        while not self._stopping:
+            time.sleep(POLL_S)
+
+    def restore(self) -> None:
+        """Put back the handlers there were before."""
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+        self._previous = {}
 
     def serve(self, stops: list[Callable[[], None]]) -> None:
-        """Block until a signal (or one that came already); then call ``stops`` in order."""
+        """``wait``; then restore the handlers and call ``stops`` in order."""
         try:
-            while not self._done.wait(0.5):
-                pass
+            self.wait()
         finally:
-            for sig, old in self._previous.items():
-                signal.signal(sig, old)
+            self.restore()
             for stop in stops:
                 stop()

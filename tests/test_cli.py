@@ -107,3 +107,17 @@ def test_a_missing_shm_dir_is_a_clear_error(tmp_path):
     result = kvstore("up", "--shm-dir", str(tmp_path / "nowhere"))
     assert result.returncode == 2 and "not a directory" in result.stderr
 
+
+
+def test_stop_signals_catch_a_signal_sent_before_serving_then_stop_in_order():
+    import signal
+
+    from kvstore.serving import StopSignals
+
+    before = signal.getsignal(signal.SIGTERM)
+    signals = StopSignals()
+    os.kill(os.getpid(), signal.SIGTERM)  # during start-up, say
+    stopped = []
+    signals.serve([lambda: stopped.append("node"), lambda: stopped.append("master")])
+    assert stopped == ["node", "master"]
+    assert signal.getsignal(signal.SIGTERM) is before

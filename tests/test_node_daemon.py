@@ -41,3 +41,32 @@ def test_a_node_serves_before_its_master_is_up_and_registers_when_it_comes(tmp_p
         node.stop()
         if master is not None:
             master.stop()
+
+
+def test_sockets_of_killed_nodes_are_reaped_and_live_ones_kept(tmp_path):
+    import os
+    import socket
+
+    from kvstore.node.daemon import reap_stale_sockets
+
+    def bound(name: str, listen: bool) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(tmp_path / name))
+        if listen:
+            sock.listen(1)
+        return sock
+
+    dead, young = bound("kvstore-dead.sock", listen=False), bound("kvstore-young.sock", listen=False)
+    live = bound("kvstore-live.sock", listen=True)
+    dead.close()  # its file stays, as after kill -9
+    young.close()
+    (tmp_path / "kvstore-file.sock").write_bytes(b"not a socket")
+    (tmp_path / "other.sock").touch()
+    for name in ("kvstore-dead.sock", "kvstore-live.sock", "kvstore-file.sock"):
+        os.utime(tmp_path / name, (1, 1))  # long ago
+    try:
+        assert reap_stale_sockets(str(tmp_path)) == ["kvstore-dead.sock"]
+        assert sorted(os.listdir(tmp_path)) == ["kvstore-file.sock", "kvstore-live.sock", "kvstore-young.sock",
+                                                "other.sock"]
+    finally:
+        live.close()

@@ -18,7 +18,6 @@ PrefixIndex).
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -177,20 +176,17 @@ def run_master(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, ttl_s: floa
     restored on return); from another thread, the call blocks until the process
     ends. ``on_ready(server)`` runs once the server listens (e.g. to print its address).
     """
+    from kvstore.serving import StopSignals
+
     server = MasterServer(host, port, ttl_s=ttl_s, heartbeat_interval_s=heartbeat_interval_s,
                           replication_factor=replication_factor, metrics_port=metrics_port)
-    done = threading.Event()
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, lambda signum, frame: done.set())
+    signals = StopSignals()
     try:
         server.start()
         if on_ready is not None:
             on_ready(server)
-        done.wait()
+        signals.wait()
         log.info("master shutting down")
     finally:
+        signals.restore()
         server.stop(grace_s)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -6,6 +6,8 @@ import logging
 import os
 import secrets
 import socket
+import stat
+import time
 from dataclasses import dataclass
 
 from kvstore_client.hostid import machine_id
@@ -16,6 +18,33 @@ from kvstore.tiers.arena import on_huge_pages, shm_dir
 
 log = logging.getLogger(__name__)
 ARENA_PAGES = {True: "huge", False: "4KiB", None: ""}  # on_huge_pages() -> NodeInfo.arena_pages
+SOCKET_PREFIX, SOCKET_SUFFIX = "kvstore-", ".sock"  # a node's Unix socket: kvstore-<node id>.sock
+STALE_SOCKET_AGE_S = 10.0  # younger ones may belong to a node between bind() and listen()
+
+
+def reap_stale_sockets(directory: str) -> list[str]:
+    """Remove node sockets in ``directory`` that nothing listens on any more (their node was
+    killed; one that exits cleanly removes its own); the names removed."""
+    removed = []
+    for entry in os.listdir(directory):
+        if not (entry.startswith(SOCKET_PREFIX) and entry.endswith(SOCKET_SUFFIX)):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISSOCK(st.st_mode) or time.time() - st.st_mtime < STALE_SOCKET_AGE_S:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.connect(path)
+        except ConnectionRefusedError:
+            try:
+                os.unlink(path)
+                removed.append(entry)
+            except FileNotFoundError:
+                pass
+        except OSError:  # gone already, not a socket, or busy: leave it
+            continue
+    return removed
 
 
 @dataclass
@@ -78,7 +107,10 @@ class StorageNode:
         arena_dir = os.path.dirname(self.store._dram.arena.path)
         huge = on_huge_pages(arena_dir)
         self.arena_pages = ARENA_PAGES[huge]
-        unix_path = os.path.join(shm_dir(), f"kvstore-{self.node_id}.sock") if opts.unix_socket else None
+        unix_path = None
+        if opts.unix_socket:
+            reap_stale_sockets(shm_dir())
+            unix_path = os.path.join(shm_dir(), f"{SOCKET_PREFIX}{self.node_id}{SOCKET_SUFFIX}")
         self.server = DataPlaneServer(self.store, host=opts.host, port=opts.port, unix_path=unix_path,
                                       node_id=self.node_id, machine_id=machine_id()).start()
         if opts.metrics_port is not None:
