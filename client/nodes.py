@@ -2,9 +2,10 @@
 
 Filled from the master's Locate and Place replies. A node that restarts comes
 back under the same id on new ports and a new arena, so an address can go
-stale: when dialling it fails, ``refresh`` asks the master for the node's
-current one (at most once a second per node, so a node that is down costs
-the master one call a second per client, not one per read). ``unreachable``
+stale: when dialling it fails, ``refresh`` asks the master for every live
+node's current one (at most once a second, however many nodes fail: nodes
+that are down cost the master one call a second per client, not one per
+read). ``unreachable``
 says so in the log once per node every ``WARN_EVERY_S`` seconds, not on every
 read.
 """
@@ -30,7 +31,7 @@ class KnownNodes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._infos: dict[str, pb.NodeInfo] = {}
-        self._refreshed: dict[str, float] = {}
+        self._refreshed = -REFRESH_EVERY_S  # monotonic time of the last refresh
         self._warned: dict[str, float] = {}
 
     def get(self, node_id: str) -> pb.NodeInfo | None:
@@ -46,9 +47,9 @@ class KnownNodes:
         be asked), or the one known here if it was refreshed less than ``REFRESH_EVERY_S`` ago."""
         now = time.monotonic()
         with self._lock:
-            if now - self._refreshed.get(node.node_id, -REFRESH_EVERY_S) < REFRESH_EVERY_S:
+            if now - self._refreshed < REFRESH_EVERY_S:
                 return self._infos.get(node.node_id, node)
-            self._refreshed[node.node_id] = now
+            self._refreshed = now
         self.update(live_nodes())
         return self._infos.get(node.node_id, node)
 

@@ -8,7 +8,7 @@ from kvstore_client.nodes import KnownNodes
 from kvstore_client.proto import kvstore_pb2 as pb
 
 
-def test_refresh_takes_the_masters_current_info_at_most_once_a_second():
+def test_refresh_asks_the_master_at_most_once_a_second():
     nodes, asked = KnownNodes(), []
     old, new = pb.NodeInfo(node_id="n", data_address="h:1"), pb.NodeInfo(node_id="n", data_address="h:2")
     nodes.update([old])
@@ -20,6 +20,8 @@ def test_refresh_takes_the_masters_current_info_at_most_once_a_second():
     assert nodes.refresh(old, live).data_address == "h:2"
     assert nodes.refresh(old, live).data_address == "h:2" and len(asked) == 1  # not again within a second
     assert nodes.get("n").data_address == "h:2"
+    other = pb.NodeInfo(node_id="m", data_address="h:3")
+    assert nodes.refresh(other, live) is other and len(asked) == 1  # nor for another node: one call serves all
 
 
 def test_a_node_the_master_does_not_list_keeps_its_last_info():
