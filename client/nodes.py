@@ -5,9 +5,8 @@ back under the same id on new ports and a new arena, so an address can go
 stale: when dialling it fails, ``refresh`` asks the master for every live
 node's current one (at most once a second, however many nodes fail: nodes
 that are down cost the master one call a second per client, not one per
-read). ``unreachable``
-says so in the log once per node every ``WARN_EVERY_S`` seconds, not on every
-read.
+read). ``unreachable`` says so in the log once per node every
+``WARN_EVERY_S`` seconds, not on every read.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ class StopSignals:
     The handler only sets a flag that ``wait`` polls: a handler runs in the main thread
     between two bytecodes, so one that took a lock (``Event.set`` does) would deadlock
     whenever the signal landed while the main thread held that lock. Handlers are installed
-    only in the main thread (elsewhere ``wait`` returns when the process ends)."""
+    only in the main thread (elsewhere ``wait`` blocks until the process ends)."""
 
     def __init__(self) -> None:
         self._stopping = False

@@ -17,6 +17,7 @@ import secrets
 import weakref
 
 from kvstore_client.errors import ConfigError
+from kvstore.units import format_size
 
 
 _ARENA_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]+(\.dir)?$")  # an arena, or its block directory
@@ -130,12 +131,12 @@ def _check_room(size: int, directory: str) -> None:
     fs = os.statvfs(directory)
     free = fs.f_bavail * fs.f_frsize
     if size > free:
-        raise ConfigError(f"cannot reserve {size} bytes of shared memory in {directory} ({free} free); "
-                          "lower the DRAM tier or enlarge the tmpfs (docker: --shm-size)")
+        raise ConfigError(f"cannot reserve {format_size(size)} of shared memory in {directory} "
+                          f"({format_size(free)} free); lower the DRAM tier or enlarge the tmpfs (docker: --shm-size)")
     available = memory_available() if fs.f_frsize <= mmap.PAGESIZE else None  # hugetlbfs: a pool of its own
     if available is not None and size > available:
-        raise ConfigError(f"cannot reserve {size} bytes of shared memory: this machine has {available} bytes "
-                          "of memory available (MemAvailable); lower the DRAM tier")
+        raise ConfigError(f"cannot reserve {format_size(size)} of shared memory: this machine has "
+                          f"{format_size(available)} of memory available (MemAvailable); lower the DRAM tier")
 
 
 def memory_available() -> int | None:
