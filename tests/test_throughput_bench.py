@@ -71,3 +71,40 @@ def test_cli_json(tmp_path):
 def test_cli_rejects_unknown_op():
     out = CliRunner().invoke(main, ["bench", "--ops", "scan", "--no-redis"])
     assert out.exit_code != 0 and "scan" in out.output
+
+
+def test_ctrl_c_stops_the_benchmark_cleanly(tmp_path):
+    """Ctrl-C reaches the whole process group: the pool, the client processes and the parent.
+    Sent once measuring has begun (a progress line), when every helper is up."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from tests.processes import wait_for
+
+    env = dict(os.environ, KVSTORE_SHM_DIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "bench", "--sizes", "1MiB", "--no-redis"],
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    err = bytearray()
+
+    def collect() -> None:
+        for chunk in iter(lambda: proc.stderr.read1(4096), b""):
+            err.extend(chunk)
+
+    reader = threading.Thread(target=collect)
+    reader.start()
+    try:
+        wait_for(lambda: b"clients" in err, timeout=60)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(10)
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode != 0 and b"Traceback" not in err, err.decode(errors="replace")
+    assert os.listdir(tmp_path) == []  # the pool's arena, block directory and socket all removed

@@ -92,7 +92,8 @@ class RedisServer:
         self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning",
                                       "--dir", tempfile.gettempdir()],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)  # Ctrl-C is ours to handle: close() stops it
         import redis
 
         self.client = redis.Redis(port=self.port)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import tempfile
 from contextlib import contextmanager
 
@@ -40,13 +41,39 @@ def serve_pool(conn, dram: int, max_block: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = StoreConfig(dram_capacity=dram, max_block_bytes=max_block, prefault=True)
         master, node = _start_master_and_node(config, tmp)
-        conn.send({"master": master.address})
         try:
+            conn.send({"master": master.address})
             conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the parent went away (before or after we were ready)
             pass
-        node.stop()
-        master.stop()
+        finally:
+            node.stop()
+            master.stop()
+
+
+@contextmanager
+def sigint_held():
+    """Hold SIGINT back while helper processes are started: they inherit the mask (it survives
+    exec), so a Ctrl-C while their interpreter starts up cannot kill them half-made; the parent
+    gets it when this ends."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def run_helper(target, *args) -> None:
+    """The body of a helper process (started under ``sigint_held``): ``target(*args)``,
+    ignoring SIGINT and ending quietly when the parent has gone. Ctrl-C reaches the whole
+    process group, and the parent, which closes its helpers on the way out, is the one to act
+    on it (a helper interrupted on its own would print a traceback and leave its socket)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        target(*args)
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the pipe to the parent: it has gone
+        pass
 
 
 class HelperProcess:
@@ -54,13 +81,17 @@ class HelperProcess:
 
     def __init__(self, ctx, target, *args):
         self._conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child_conn, *args), daemon=True)
-        self.proc.start()
+        self.proc = ctx.Process(target=run_helper, args=(target, child_conn, *args), daemon=True)
+        with sigint_held():
+            self.proc.start()
         child_conn.close()
-        if not self._conn.poll(120):
+        try:
+            if not self._conn.poll(120):
+                raise RuntimeError(f"{target.__name__} did not start")
+            self.info = self._conn.recv()
+        except BaseException:  # Ctrl-C while it starts included: it stops, once started, by itself
             self.close()
-            raise RuntimeError(f"{target.__name__} did not start")
-        self.info = self._conn.recv()
+            raise
 
     def close(self) -> None:
         try:

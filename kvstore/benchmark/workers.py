@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from kvstore.benchmark.baselines import SOCKET_REQUEST
+from kvstore.benchmark.pool import run_helper, sigint_held
 
 
 def _must(value):
@@ -190,9 +191,10 @@ class ClientGroup:
         self.conns, self.procs = [], []
         for i in range(n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(child, self.barrier, i, master, socket_address, redis_port,
-                                                      transports), daemon=True)
-            p.start()
+            p = ctx.Process(target=run_helper, args=(_worker_main, child, self.barrier, i, master,
+                                                         socket_address, redis_port, transports), daemon=True)
+            with sigint_held():
+                p.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(p)
