@@ -54,6 +54,7 @@ FLAG_NO_REPLY = 0x2  # RELEASE, TOUCH and COMMIT with ABORT: the node sends noth
 FLAG_ABORT = 0x4  # COMMIT only: revoke the reservations instead of publishing them
 FLAG_HOLD = 0x8  # LEASE only: the leases never expire (held until RELEASE or the connection ends)
 FLAG_REGRANT = 0x10  # COMMIT and STORE: also grant the same sizes again, for the next STORE
+FLAG_WRITTEN = 0x20  # COMMIT only: the checksums are the writer's, over its own source: recorded, not re-read
 
 
 class Op(IntEnum):

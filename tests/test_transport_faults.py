@@ -25,6 +25,7 @@ from kvstore_client.wire import (
     FLAG_ABORT,
     FLAG_NO_REPLY,
     FLAG_REGRANT,
+    FLAG_WRITTEN,
     GET_ITEM,
     HEADER,
     LEASE_ITEM,
@@ -314,6 +315,27 @@ def test_a_stored_block_that_does_not_match_its_checksum_is_never_served(server)
         assert shm.get(k) is None  # then the node finds it damaged too, and drops it
     assert not server.store.exists(k)
     assert server.store.stats()["dram"]["checksum_failures"] == failures + 1
+
+
+def test_a_commit_of_written_blocks_records_the_writers_checksum_and_readers_check_it(server):
+    """COMMIT with WRITTEN, like STORE, takes the writer's checksums as they are: a block whose
+    bytes do not match is stored, refused by the first verifying reader and dropped."""
+    good, torn, value = key("written-good"), key("written-torn"), b"w" * 4096
+    entries = b"".join(struct.pack("<BBIQ", 2, 16, 0, len(value)) + b"ns" + k[1] for k in (good, torn))
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.RESERVE, 1, 2, len(entries)) + entries)
+        body = read_reply(sock)[4]
+        reservation, items = U64.unpack_from(body)[0], list(RESERVED_ITEM.iter_unpack(body[8:]))
+        for _, offset in items:
+            server.store._dram._mem[offset : offset + len(value)] = value
+        checksums = U64.pack(xxhash.xxh3_64_intdigest(value)) + U64.pack(xxhash.xxh3_64_intdigest(b"x" * 4096))
+        sock.sendall(pack_header(Op.COMMIT, 2, 2, 24, flags=FLAG_WRITTEN) + U64.pack(reservation) + checksums)
+        assert read_reply(sock)[4] == bytes([Status.OK, Status.OK])  # recorded, not re-read
+    with ShmConnection(server.unix_path) as shm:
+        assert shm.get(good) == value
+        assert shm.get(torn) is None  # refused, confirmed damaged by the node (VERIFY), dropped
+    assert server.store.exists(good) and not server.store.exists(torn)
+    server.store.remove(good)
 
 
 def test_a_grant_cannot_be_committed_without_keys_and_abort_needs_no_reply(server):

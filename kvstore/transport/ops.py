@@ -24,6 +24,7 @@ from kvstore_client.wire import (
     FLAG_HOLD,
     FLAG_NO_REPLY,
     FLAG_REGRANT,
+    FLAG_WRITTEN,
     GET_ITEM,
     KEY_HEAD,
     LEASE_ITEM,
@@ -281,7 +282,8 @@ def _reserved_table(conn: "Connection", wanted: list[tuple]) -> bytearray:
 
 def op_commit(conn: "Connection", frame: "Frame") -> None:
     """Publish (or with ABORT, revoke) the blocks of one RESERVE, verifying each checksum over
-    the arena; with REGRANT, also grant the same sizes again for the client's next STORE."""
+    the arena (with WRITTEN, recording the writer's as STORE does); with REGRANT, also grant
+    the same sizes again for the client's next STORE."""
     if frame.body_len != U64.size * (frame.count + 1):
         raise _bad(f"COMMIT of {frame.count} items needs {U64.size * (frame.count + 1)} body bytes")
     reservation_id, *checksums = struct.unpack(f"<{frame.count + 1}Q", conn.reader.read(frame.body_len))
@@ -297,7 +299,7 @@ def op_commit(conn: "Connection", frame: "Frame") -> None:
                 out[i] = Status.INVALID_KEY
             else:
                 try:
-                    res.commit(checksums[i])
+                    (res.commit_written if frame.flags & FLAG_WRITTEN else res.commit)(checksums[i])
                 except KVStoreError as exc:
                     out[i] = status_of(exc)
     finally:
