@@ -47,11 +47,11 @@ class LandingBuffer:
 
     def __init__(self) -> None:
         self._buffer = bytearray()
-        self._used = self._wanted = 0
+        self._used = self._asked = 0  # bytes handed out of the kept space / asked for, this round
 
     def take(self, size: int) -> memoryview:
+        self._asked += size
         end = self._used + size
-        self._wanted = max(self._wanted, end)
         if end > len(self._buffer):
             return memoryview(bytearray(size))
         view = memoryview(self._buffer)[self._used : end]
@@ -59,6 +59,6 @@ class LandingBuffer:
         return view
 
     def reset(self) -> None:
-        if len(self._buffer) < self._wanted <= LANDING_MAX:
-            self._buffer = bytearray(self._wanted)
-        self._used = self._wanted = 0
+        if len(self._buffer) < self._asked <= LANDING_MAX:
+            self._buffer = bytearray(self._asked)
+        self._used = self._asked = 0

@@ -37,6 +37,15 @@ def test_landing_space_is_reused_and_grows_to_what_a_round_needed():
     assert len(landing.take(1010).obj) == 1010  # the kept space grew to the whole last round
 
 
+def test_landing_space_grows_to_every_block_of_a_round_that_did_not_fit():
+    landing = LandingBuffer()
+    for _ in range(3):
+        landing.take(100)  # all three fresh: nothing kept yet
+    landing.reset()
+    views = [landing.take(100) for _ in range(3)]
+    assert all(v.obj is views[0].obj for v in views) and len(views[0].obj) == 300
+
+
 def test_landing_space_kept_is_bounded():
     landing = LandingBuffer()
     landing.take(LANDING_MAX + 1)
