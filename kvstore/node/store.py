@@ -248,7 +248,8 @@ class BlockStore:
 
     def _read_ssd(self, key: BlockKey, meta: BlockMeta, out: memoryview) -> int | None:
         """Read a block from SSD into ``out`` (checksum verified), promoting it when configured."""
-        n = self._ssd.get_into(key, out)
+        got = self._ssd.read_into(key, out)
+        n, checksum = (None, 0) if got is None else got
         with self._lock:
             if n is None:
                 if self._table.get(key) is meta and meta.tier == DRAM:  # promoted since the lookup
@@ -264,7 +265,7 @@ class BlockStore:
         if n is None:
             return self._copy_leased(key, extent, out)
         if self.config.promote_on_hit:
-            self._tiering.promote(key, meta, out[:n])
+            self._tiering.promote(key, meta, out[:n], checksum)
         return n
 
     def _copy_leased(self, key: BlockKey, extent: Extent, out: memoryview) -> int | None:

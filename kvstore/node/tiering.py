@@ -17,8 +17,6 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-import xxhash
-
 from kvstore.node.block_table import DRAM, SSD
 from kvstore.tiers.dram import Extent
 
@@ -193,16 +191,16 @@ class Tiering:
             store._ssd.discard_many(victims)
 
     # -- SSD -> DRAM ----------------------------------------------------------------------------
-    def promote(self, key, meta, data: memoryview) -> None:
-        """Copy a block just read from SSD into DRAM and make DRAM its home.
-        Best effort: never evicts inline; skipped when DRAM has no free extent."""
+    def promote(self, key, meta, data: memoryview, checksum: int) -> None:
+        """Copy a block just read from SSD, and verified there against ``checksum``, into DRAM
+        and make DRAM its home. Best effort: never evicts inline; skipped when DRAM has no
+        free extent."""
         store, dram = self._store, self._store._dram
         extent = dram.reserve(len(data))
         if extent is None:
             self.poke()
             return
         dram.writable(extent)[:] = data
-        checksum = xxhash.xxh3_64_intdigest(data)
         with store._lock:
             if store._table.get(key) is meta and meta.tier == SSD and not store._closed:
                 store._ssd.discard(key)

@@ -292,14 +292,20 @@ class SsdTier:
     # -- reads -----------------------------------------------------------------
     def get_into(self, key: BlockKey, out: memoryview) -> int | None:
         """Copy the block into ``out``; its size, or None when absent or damaged."""
+        got = self.read_into(key, out)
+        return None if got is None else got[0]
+
+    def read_into(self, key: BlockKey, out: memoryview) -> tuple[int, int] | None:
+        """``get_into`` that also gives the checksum the bytes were verified against:
+        (size, checksum), or None (so a promotion need not hash them again)."""
         dst = _byte_view(out)
 
-        def copy(value: memoryview, size: int, checksum: int) -> int | None:
+        def copy(value: memoryview, size: int, checksum: int) -> tuple[int, int] | None:
             if size > len(dst):
                 raise BufferTooSmall(f"block is {size} bytes, buffer holds {len(dst)}", size)
             dst[:size] = value[HEADER.size :]
             if xxhash.xxh3_64_intdigest(dst[:size]) == checksum:
-                return size
+                return size, checksum
             dst[:size] = bytes(size)  # leave no damaged bytes behind in the caller's buffer
             return None
 
