@@ -12,25 +12,26 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvstore.benchmark import OPS, TRANSPORTS, Settings, emit, run
+from kvstore.benchmark import OPS, TRANSPORTS, Settings, emit, parse_list, run
 from kvstore.units import parse_size
 
 
-def _list(text: str, allowed=None) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if allowed is not None:
-        bad = [x for x in items if x not in allowed]
-        if bad:
-            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(allowed)}")
-    return items
+def _choices(allowed):
+    """An argparse type: the comma-separated items of ``allowed``."""
+    def parse(text: str) -> list[str]:
+        try:
+            return parse_list(text, allowed)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--master", default=None, help="benchmark this pool (default: start one in its own process)")
     p.add_argument("--sizes", default="64KiB,1MiB,4MiB", help="comma-separated value sizes")
-    p.add_argument("--ops", default=",".join(OPS), type=lambda t: _list(t, OPS))
-    p.add_argument("--transports", default=",".join(TRANSPORTS), type=lambda t: _list(t, TRANSPORTS))
+    p.add_argument("--ops", default=",".join(OPS), type=_choices(OPS))
+    p.add_argument("--transports", default=",".join(TRANSPORTS), type=_choices(TRANSPORTS))
     p.add_argument("--clients", default="1,4", help="client process counts, e.g. 1,2,4")
     p.add_argument("--bytes", default="64MiB", help="working set of each client at each size")
     p.add_argument("--batch", type=int, default=64, help="blocks per batch call / Redis pipeline")
@@ -45,11 +46,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    ops = args.ops if isinstance(args.ops, list) else _list(args.ops, OPS)
-    transports = args.transports if isinstance(args.transports, list) else _list(args.transports, TRANSPORTS)
-    settings = Settings(sizes=[parse_size(s) for s in _list(args.sizes)], ops=ops, transports=transports,
-                        clients=[int(c) for c in _list(args.clients)], bytes_per_client=parse_size(args.bytes),
+    args = parser().parse_args(argv)  # string defaults go through their type too: ops, transports are lists
+    settings = Settings(sizes=[parse_size(s) for s in parse_list(args.sizes)], ops=args.ops, transports=args.transports,
+                        clients=[int(c) for c in parse_list(args.clients)], bytes_per_client=parse_size(args.bytes),
                         batch=args.batch, rounds=args.rounds, master=args.master,
                         dram=parse_size(args.dram) if args.dram else None, redis=not args.no_redis,
                         progress=not args.quiet)

@@ -19,7 +19,7 @@ from typing import Sequence
 import grpc
 
 from kvstore_client.buffers import byte_view
-from kvstore_client.connect import DATA_PATHS, open_connection
+from kvstore_client.connect import check_data_path, open_connection
 from kvstore_client.errors import ChecksumMismatch, InvalidValue, KVStoreError, Overloaded, ServiceUnavailable
 from kvstore_client.hashing import BlockHasher
 from kvstore_client.hostid import machine_id
@@ -69,9 +69,7 @@ class Client:
         self.prefer_shm = prefer_shm
         self.replicas = replicas
         self.verify = verify
-        if data_path is not None and data_path not in DATA_PATHS:
-            raise ValueError(f"data_path must be one of {DATA_PATHS} or None, got {data_path!r}")
-        self.data_path = data_path
+        self.data_path = check_data_path(data_path)
         self.timeout = timeout
         self._channel = grpc.insecure_channel(master, options=GRPC_OPTIONS)
         self._stub = pb_grpc.MasterStub(self._channel)

@@ -13,6 +13,13 @@ log = logging.getLogger(__name__)
 DATA_PATHS = ("shm", "unix", "tcp")
 
 
+def check_data_path(data_path: str | None) -> str | None:
+    """``data_path`` itself, when it is one of DATA_PATHS or None; else ValueError."""
+    if data_path is not None and data_path not in DATA_PATHS:
+        raise ValueError(f"data_path must be one of {DATA_PATHS} or None, got {data_path!r}")
+    return data_path
+
+
 def open_connection(node, *, prefer_shm: bool = True, verify: bool = True, data_path: str | None = None):
     """A data-plane connection to ``node`` (a NodeInfo).
 
@@ -24,9 +31,7 @@ def open_connection(node, *, prefer_shm: bool = True, verify: bool = True, data_
     """
     from kvstore_client import transport
 
-    if data_path is not None and data_path not in DATA_PATHS:
-        raise ValueError(f"data_path must be one of {DATA_PATHS} or None, got {data_path!r}")
-    if data_path == "tcp":
+    if check_data_path(data_path) == "tcp":
         return transport.TcpConnection(node.data_address, verify=verify)
     if data_path is not None:
         prefer_shm = data_path == "shm"

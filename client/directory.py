@@ -108,8 +108,8 @@ class DirectoryReader:
     def find(self, key: BlockKey) -> tuple[int, int, int, int, int] | None:
         """Where ``key``'s block is: (slot position, seq, offset, size, checksum), or None."""
         mem = self._mmap
-        tag = _tag(key_entry(key))
-        base = HEADER_SIZE + int.from_bytes(tag[:8], "little") % self.buckets * self._bucket_bytes
+        tag = key_tag(key)
+        base = HEADER_SIZE + bucket_of(tag, self.buckets) * self._bucket_bytes
         tags = self._tags(mem, base)
         if tag not in tags:
             return None

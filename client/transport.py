@@ -111,6 +111,12 @@ def _raise_first(errors: dict[int, KVStoreError]) -> None:
         raise errors[min(errors)]
 
 
+def _found(statuses: list[int]) -> list[bool]:
+    """Per item, OK (True) or NOT_FOUND (False); any other status raises, the first one's error."""
+    _raise_first({i: error_for(s) for i, s in enumerate(statuses) if s not in (Status.OK, Status.NOT_FOUND)})
+    return [s == Status.OK for s in statuses]
+
+
 def _put_item(item) -> tuple[BlockKey, memoryview, int]:
     key, value, *rest = item
     depth = rest[0] if rest else 0
@@ -468,8 +474,7 @@ class DataPlaneConnection:
 
         chunks = _split(list(range(len(items))), [0] * len(items), 1, KEYS_PER_FRAME)
         self._pipeline(chunks, send, lambda chunk, rid: self._statuses(Op.PULL, chunk, rid, statuses))
-        _raise_first({i: error_for(s) for i, s in enumerate(statuses) if s not in (Status.OK, Status.NOT_FOUND)})
-        return [s == Status.OK for s in statuses]
+        return _found(statuses)
 
     # -- lookups and removal ------------------------------------------------------------------------
     def exists_many(self, keys) -> list[bool]:
@@ -480,9 +485,7 @@ class DataPlaneConnection:
         return self._flags(Op.REMOVE, keys)
 
     def _flags(self, op: int, keys) -> list[bool]:
-        statuses = self._item_statuses(op, [check_key(k) for k in keys])
-        _raise_first({i: error_for(s) for i, s in enumerate(statuses) if s not in (Status.OK, Status.NOT_FOUND)})
-        return [s == Status.OK for s in statuses]
+        return _found(self._item_statuses(op, [check_key(k) for k in keys]))
 
     def _item_statuses(self, op: int, keys: list) -> list[int]:
         """A keys-only request (EXISTS, REMOVE, VERIFY): one status per key."""

@@ -288,18 +288,12 @@ def keys(master_address, namespace, limit, as_json) -> None:
 def bench(master_address, sizes, ops, transports, clients, bytes_per_client, batch, rounds, dram, no_redis, quiet,
           as_json, plot_path) -> None:
     """Throughput and latency through the SDK next to memcpy, a raw socket and Redis."""
-    from kvstore.benchmark import OPS, TRANSPORTS, Settings, emit, run
-
-    def items(text, allowed=None):
-        out = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in out if allowed is not None and x not in allowed]
-        if bad:
-            raise click.BadParameter(f"unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
-        return out
+    from kvstore.benchmark import OPS, TRANSPORTS, Settings, emit, parse_list, run
 
     try:
-        settings = Settings(sizes=[parse_size(s) for s in items(sizes)], ops=items(ops, OPS),
-                            transports=items(transports, TRANSPORTS), clients=[int(c) for c in items(clients)],
+        settings = Settings(sizes=[parse_size(s) for s in parse_list(sizes)], ops=parse_list(ops, OPS),
+                            transports=parse_list(transports, TRANSPORTS),
+                            clients=[int(c) for c in parse_list(clients)],
                             bytes_per_client=bytes_per_client, batch=batch, rounds=rounds, master=master_address,
                             dram=dram, redis=not no_redis, progress=not quiet)
     except ValueError as exc:

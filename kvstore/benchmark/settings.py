@@ -18,6 +18,15 @@ BASELINES = {  # op -> (redis-py measure, redis-benchmark test, batch?, raw sock
 }
 
 
+def parse_list(text: str, allowed=None) -> list[str]:
+    """The items of a comma-separated option; ValueError names any not in ``allowed``."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if allowed is not None and x not in allowed]
+    if bad:
+        raise ValueError(f"unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
+    return items
+
+
 @dataclass
 class Settings:
     sizes: list[int]

@@ -93,21 +93,21 @@ class BlockStore:
         self._check_size(size)
         if depth < 0:
             raise InvalidValue("depth cannot be negative")
-        extent = self._dram.reserve(size) or self._tiering.make_room(size)
-        if extent is None:
-            raise CapacityError(f"no room for a {size}-byte block: the DRAM tier holds only pinned or leased blocks")
-        self._tiering.poke()
-        return Reservation(self, key, extent, depth)
+        return Reservation(self, key, self._reserve_extent(size), depth)
 
     def grant(self, size: int) -> Reservation:
         """Reserve DRAM for a block whose key is not known yet (a same-host writer's next
         put); ``bind`` it to a key before committing. Raises like ``reserve``."""
         self._check_size(size)
+        return Reservation(self, None, self._reserve_extent(size), 0)
+
+    def _reserve_extent(self, size: int) -> Extent:
+        """A free DRAM extent of ``size`` bytes, made room for inline if the evictor has not."""
         extent = self._dram.reserve(size) or self._tiering.make_room(size)
         if extent is None:
             raise CapacityError(f"no room for a {size}-byte block: the DRAM tier holds only pinned or leased blocks")
         self._tiering.poke()
-        return Reservation(self, None, extent, 0)
+        return extent
 
     def put(self, key: BlockKey, value, *, depth: int = 0) -> None:
         """Store ``value`` (any contiguous buffer) under ``key``, replacing an older value."""

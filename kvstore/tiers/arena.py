@@ -74,7 +74,7 @@ class SharedArena:
         self._mmap = mm
         self._owner = owner
         self.view = memoryview(mm)
-        self._unlink_at_exit = weakref.finalize(self, _unlink, path) if owner else None
+        self._unlink_at_exit = weakref.finalize(self, unlink_quietly, path) if owner else None
 
     @classmethod
     def create(cls, size: int, name: str | None = None, prefault: bool = False) -> "SharedArena":
@@ -165,7 +165,8 @@ def _reserve(fd: int, size: int, path: str) -> None:
             "(docker: --shm-size)") from None
 
 
-def _unlink(path: str) -> None:
+def unlink_quietly(path: str) -> None:
+    """Remove ``path``; one already gone is fine."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -189,6 +190,6 @@ def reap_stale_arenas() -> list[str]:
     for entry in os.listdir(directory):
         match = _ARENA_NAME.match(entry)
         if match and not _pid_alive(int(match.group(1))):
-            _unlink(os.path.join(directory, entry))
+            unlink_quietly(os.path.join(directory, entry))
             removed.append(entry)
     return removed

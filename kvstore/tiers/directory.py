@@ -29,6 +29,7 @@ from kvstore_client.directory import (
     key_tag,
 )
 from kvstore_client.keys import BlockKey
+from kvstore.tiers.arena import unlink_quietly
 
 _EMPTY = SLOT_FIELDS.pack(bytes(16), 0, 0, 0)
 BLOCK_BYTES_PER_SLOT = 32 << 10  # auto sizing: one slot per 32 KiB of arena (at least 4,096 slots)
@@ -64,7 +65,7 @@ class BlockDirectory:
         self._slot_of: dict[BlockKey, int] = {}
         self._taken = bytearray(self.buckets * ways)  # 1 where a slot holds a block
         self.unpublished = 0  # blocks left out because their bucket was full
-        self._unlink_at_exit = weakref.finalize(self, _unlink, path)
+        self._unlink_at_exit = weakref.finalize(self, unlink_quietly, path)
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -116,10 +117,3 @@ class BlockDirectory:
         self._mmap.close()
         self._mmap = None
         self._unlink_at_exit()
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

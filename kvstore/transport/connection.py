@@ -110,11 +110,13 @@ class Connection:
             raise ProtocolError(f"{count} items in one frame; at most {MAX_ITEMS}", Status.FRAME_TOO_LARGE)
 
     # -- helpers for ops ------------------------------------------------------------------
-    def read_table(self, frame: Frame, fixed) -> list[tuple]:
-        """Read and parse a frame body that is only an item table of ``fixed``-headed key entries."""
-        if frame.body_len > MAX_TABLE_BYTES:
-            raise ProtocolError(f"item table of {frame.body_len} bytes is too large", Status.FRAME_TOO_LARGE)
-        return parse_table(self.reader.read(frame.body_len), frame.count, fixed)
+    def read_table(self, frame: Frame, fixed, consumed: int = 0) -> list[tuple]:
+        """Read and parse the rest of a frame body (after the ``consumed`` bytes the op read
+        first): an item table of ``fixed``-headed key entries."""
+        size = frame.body_len - consumed
+        if size > MAX_TABLE_BYTES:
+            raise ProtocolError(f"item table of {size} bytes is too large", Status.FRAME_TOO_LARGE)
+        return parse_table(self.reader.read(size), frame.count, fixed)
 
     def reply(self, frame: Frame, count: int, *parts) -> None:
         """Send a reply frame whose body is ``parts`` (bytes-like) in order."""

@@ -28,7 +28,6 @@ from kvstore_client.wire import (
     GET_ITEM,
     KEY_HEAD,
     LEASE_ITEM,
-    MAX_TABLE_BYTES,
     PULL_ENTRY,
     PUT_ENTRY,
     RESERVE_ENTRY,
@@ -37,7 +36,6 @@ from kvstore_client.wire import (
     Op,
     Status,
     decode_key,
-    parse_table,
     status_of,
 )
 
@@ -314,10 +312,8 @@ def op_store(conn: "Connection", frame: "Frame") -> None:
     entry (key, depth, size, the writer's checksum, taken as is) per granted item."""
     if frame.body_len < U64.size:
         raise _bad("STORE without a grant id")
-    if frame.body_len - U64.size > MAX_TABLE_BYTES:
-        raise ProtocolError("STORE table is too large", Status.FRAME_TOO_LARGE)
     grant_id = U64.unpack(conn.reader.read(U64.size))[0]
-    entries = parse_table(conn.reader.read(frame.body_len - U64.size), frame.count, PUT_ENTRY)
+    entries = conn.read_table(frame, PUT_ENTRY, consumed=U64.size)
     group = _take_group(conn, grant_id, frame.count)
     out = bytearray(frame.count)
     try:
@@ -383,9 +379,7 @@ def op_pull(conn: "Connection", frame: "Frame") -> None:
     if not address_len or 1 + address_len > frame.body_len:
         raise _bad("PULL source address runs past body_len")
     source = bytes(conn.reader.read(address_len)).decode(errors="replace")
-    if frame.body_len - 1 - address_len > MAX_TABLE_BYTES:
-        raise ProtocolError("PULL table is too large", Status.FRAME_TOO_LARGE)
-    entries = parse_table(conn.reader.read(frame.body_len - 1 - address_len), frame.count, PULL_ENTRY)
+    entries = conn.read_table(frame, PULL_ENTRY, consumed=1 + address_len)
     out = bytearray(frame.count)
     wanted = [i for i, (key, _) in enumerate(entries) if type(key) is not int]
     for i, (key, _) in enumerate(entries):
