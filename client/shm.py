@@ -49,7 +49,6 @@ from kvstore_client.directory import ONE_SIDED_READS, DirectoryReader, OneSidedR
 from kvstore_client.errors import (
     BufferTooSmall,
     ChecksumMismatch,
-    InvalidValue,
     KVStoreError,
     ProtocolError,
     TransportError,
@@ -199,20 +198,16 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         return got
 
     # -- reads -----------------------------------------------------------------------------
-    def read_many(self, keys, buffers=None) -> tuple[list, dict[int, KVStoreError]]:
+    def _read_views(self, keys: list, views: list | None) -> tuple[list, dict[int, KVStoreError]]:
         """One-sided reads first; what they did not serve is leased (or read over the socket)."""
         if self._direct is None:
-            return super().read_many(keys, buffers)
-        keys = [check_key(k) for k in keys]
-        views = None if buffers is None else [byte_view(b, writable=True) for b in buffers]
-        if views is not None and len(views) != len(keys):
-            raise InvalidValue(f"{len(keys)} keys but {len(views)} buffers")
+            return super()._read_views(keys, views)
         results = self.read_direct(keys, views)
         rest = [j for j, got in enumerate(results) if got is None]
         errors: dict[int, KVStoreError] = {}
         if rest:
-            more, failed = super().read_many([keys[j] for j in rest],
-                                             None if views is None else [views[j] for j in rest])
+            more, failed = super()._read_views([keys[j] for j in rest],
+                                               None if views is None else [views[j] for j in rest])
             for j, got in zip(rest, more):
                 results[j] = got
             errors = {rest[i]: error for i, error in failed.items()}

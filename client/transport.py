@@ -273,12 +273,14 @@ class DataPlaneConnection:
         errors instead of raising the first: (results, {index: error}); the results of
         keys with an error are None. Connection failures still raise."""
         keys = [check_key(k) for k in keys]
-        if buffers is None:
-            return self._get_bytes(keys)
-        views = [byte_view(b, writable=True) for b in buffers]
-        if len(views) != len(keys):
+        views = None if buffers is None else [byte_view(b, writable=True) for b in buffers]
+        if views is not None and len(views) != len(keys):
             raise InvalidValue(f"{len(keys)} keys but {len(views)} buffers")
-        return self._get_into(keys, views)
+        return self._read_views(keys, views)
+
+    def _read_views(self, keys: list, views: list | None) -> tuple[list, dict]:
+        """``read_many`` of checked keys (into checked ``views``, or as bytes when None)."""
+        return self._get_bytes(keys) if views is None else self._get_into(keys, views)
 
     def _get_into(self, keys: list, views: list) -> tuple[list, dict]:
         results: list = [None] * len(keys)
