@@ -7,19 +7,21 @@ page of a shared mapping otherwise costs a page fault in every process, about
 0.3 ms per MiB of 4 KiB pages on this kind of host, and that would land on the
 first reads and writes of every block. Larger arenas fault in as they are
 used (populating 64 GiB of 4 KiB pages takes seconds and 128 MiB of page
-tables); arenas on huge pages fault 512 times less either way.
+tables); arenas on huge pages fault 512 times less either way. Mappings are 2 MiB-aligned
+(``kvstore_client.sharedmap``), so an arena on huge pages is mapped with them.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
+
+from kvstore_client.sharedmap import map_shared
 
 POPULATE_MAX_BYTES = 8 << 30
 
 _lock = threading.Lock()
-_mappings: dict[tuple[int, int], list] = {}  # (st_dev, st_ino) -> [mmap, connections using it]
+_mappings: dict[tuple[int, int], list] = {}  # (st_dev, st_ino) -> [mmap, its view, connections using it]
 
 
 def map_arena(path: str) -> tuple[tuple[int, int], memoryview]:
@@ -31,10 +33,10 @@ def map_arena(path: str) -> tuple[tuple[int, int], memoryview]:
         with _lock:
             entry = _mappings.get(handle)
             if entry is None:
-                populate = getattr(mmap, "MAP_POPULATE", 0) if stat.st_size <= POPULATE_MAX_BYTES else 0
-                entry = _mappings[handle] = [mmap.mmap(fd, stat.st_size, flags=mmap.MAP_SHARED | populate), 0]
-            entry[1] += 1
-            return handle, memoryview(entry[0])
+                owner, view = map_shared(fd, stat.st_size, populate=stat.st_size <= POPULATE_MAX_BYTES)
+                entry = _mappings[handle] = [owner, view, 0]
+            entry[2] += 1
+            return handle, entry[1][:]  # a view of its own: the connection releases it when it closes
     finally:
         os.close(fd)
 
@@ -45,11 +47,12 @@ def unmap_arena(handle: tuple[int, int]) -> None:
         entry = _mappings.get(handle)
         if entry is None:
             return
-        entry[1] -= 1
-        if entry[1]:
+        entry[2] -= 1
+        if entry[2]:
             return
         del _mappings[handle]
     try:
+        entry[1].release()
         entry[0].close()
     except BufferError:  # a caller still holds a view of it
         pass

@@ -200,7 +200,8 @@ def node_lines(storage) -> list[str]:
 
     info, cfg = storage.info(), storage.config
     arena = storage.store._dram.arena
-    pages = {"huge": "huge pages", "4KiB": "4 KiB pages"}.get(info.arena_pages, "page size unknown")
+    pages = {"huge": "huge pages", "4KiB": "4 KiB pages", "mixed": "partly on huge pages"}.get(
+        info.arena_pages, "page size unknown")
     lines = [f"kvstore node {info.node_id} serving blocks on {info.data_address}"
              + (f" and {info.unix_socket}" if info.unix_socket else ""),
              f"  DRAM tier {format_size(cfg.dram_capacity)} in shared memory {arena.path} ({pages})"]

@@ -109,3 +109,93 @@ def test_huge_pages_come_from_the_innermost_mount(path, expected):
 def test_no_mount_table_means_unknown():
     assert huge_pages_in([], "/dev/shm") is None
 
+
+
+# -- huge pages on a 4 KiB tmpfs (kvstore.tiers.hugepages) -------------------------------------
+
+def pmd_mapped_bytes(path: str, pid: int | str = "self") -> int:
+    """Bytes of ``path`` that process ``pid`` maps with 2 MiB page-table entries (kernel's word:
+    only a huge page can be mapped so)."""
+    total, current = 0, None
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                current = fields[5] if len(fields) > 5 else ""
+            elif fields[0] == "ShmemPmdMapped:" and current == path:
+                total += int(fields[1]) * 1024
+    return total
+
+
+def collapse_supported() -> bool:
+    """Linux >= 6.1 with shmem THP not denied, and arenas on a 4 KiB tmpfs."""
+    from kvstore.tiers.arena import on_huge_pages
+
+    release = os.uname().release.split(".")
+    try:
+        new_enough = (int(release[0]), int(release[1].split("-")[0])) >= (6, 1)
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as knob:
+            denied = "[deny]" in knob.read()
+    except (ValueError, IndexError, OSError):
+        return False
+    return sys.platform.startswith("linux") and new_enough and not denied and on_huge_pages(shm_dir()) is False
+
+
+needs_collapse = pytest.mark.skipif(not collapse_supported(), reason="needs Linux >= 6.1 and arenas on a 4 KiB tmpfs")
+
+
+@needs_collapse
+def test_an_arena_on_a_4k_tmpfs_gets_huge_pages_for_every_mapping():
+    arena = SharedArena.create(8 << 20)
+    other = None
+    try:
+        assert arena.pages == "huge"
+        arena.view[:] = bytes(range(256)) * (len(arena.view) // 256)  # fault every page in
+        assert pmd_mapped_bytes(arena.path) == 8 << 20
+        other = SharedArena.attach(arena.name)  # a second, independent mapping of the same file
+        assert bytes(other.view) == bytes(arena.view)  # reads every page
+        assert pmd_mapped_bytes(arena.path) == 16 << 20
+    finally:
+        if other is not None:
+            other.close()
+        arena.close()
+
+
+@needs_collapse
+def test_huge_pages_cover_whole_2mib_chunks_and_can_be_declined():
+    odd = SharedArena.create(5 << 20)  # two whole chunks and a 1 MiB tail on 4 KiB pages
+    plain = SharedArena.create(4 << 20, huge_pages=False)
+    try:
+        assert odd.pages == "huge" and plain.pages == "4KiB"
+        odd.view[:] = b"\x5a" * len(odd.view)
+        plain.view[:] = b"\xa5" * len(plain.view)
+        assert pmd_mapped_bytes(odd.path) == 4 << 20
+        assert pmd_mapped_bytes(plain.path) == 0
+        assert bytes(odd.view[-2:]) == b"\x5a\x5a" and bytes(plain.view[-2:]) == b"\xa5\xa5"
+    finally:
+        odd.close()
+        plain.close()
+
+
+def test_shared_mappings_are_2mib_aligned_and_refuse_to_close_under_a_view(tmp_path):
+    import ctypes
+
+    from kvstore_client.sharedmap import HUGE_PAGE, map_shared
+
+    path = tmp_path / "file"
+    path.write_bytes(b"x" * (3 << 20))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        owner, view = map_shared(fd, 3 << 20)
+    finally:
+        os.close(fd)
+    assert len(view) == 3 << 20 and bytes(view[-1:]) == b"x"
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    assert address % HUGE_PAGE == 0
+    held = view[10:20]
+    view.release()
+    with pytest.raises(BufferError):
+        owner.close()  # a slice still points into it: unmapping now would leave it dangling
+    held.release()
+    owner.close()
+    assert owner.closed

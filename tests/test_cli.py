@@ -95,8 +95,9 @@ def test_node_puts_its_arena_in_the_shm_dir_it_is_given(tmp_path):
         assert up.record["data"].startswith("localhost:")  # what clients elsewhere are told to dial
         assert up.record["unix_socket"].startswith(str(arenas))
         status = json.loads(kvstore("status", "--master", up.record["master"], "--json").stdout)
-        assert status["nodes"][0]["arena_pages"] == "4KiB"  # a test's temp dir has no huge pages
-        assert "dram (4KiB pages)" in kvstore("status", "--master", up.record["master"]).stdout
+        pages = status["nodes"][0]["arena_pages"]
+        assert pages in ("huge", "4KiB")  # what backs the arena, as the node found it (tests/test_arena.py)
+        assert f"dram ({pages} pages)" in kvstore("status", "--master", up.record["master"]).stdout
         assert up.terminate() == 0
         assert os.listdir(arenas) == []  # arena, block directory and socket all removed
     finally:

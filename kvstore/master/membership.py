@@ -39,7 +39,7 @@ class NodeInfo:
     unix_socket: str = ""
     shm_arena: str = ""
     metrics_address: str = ""
-    arena_pages: str = ""  # "huge", "4KiB" or "" (unknown): the page size under the DRAM arena
+    arena_pages: str = ""  # "huge", "4KiB", "mixed" or "" (unknown): the page size under the DRAM arena
 
 
 @dataclass(frozen=True)

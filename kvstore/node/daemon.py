@@ -14,10 +14,9 @@ from kvstore_client.hostid import machine_id
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore.node.config import StoreConfig
 from kvstore.node.store import BlockStore
-from kvstore.tiers.arena import on_huge_pages, shm_dir
+from kvstore.tiers.arena import shm_dir
 
 log = logging.getLogger(__name__)
-ARENA_PAGES = {True: "huge", False: "4KiB", None: ""}  # on_huge_pages() -> NodeInfo.arena_pages
 SOCKET_PREFIX, SOCKET_SUFFIX = "kvstore-", ".sock"  # a node's Unix socket: kvstore-<node id>.sock
 STALE_SOCKET_AGE_S = 10.0  # younger ones may belong to a node between bind() and listen()
 
@@ -104,9 +103,7 @@ class StorageNode:
 
         opts = self.options
         self.store = BlockStore(self.config)
-        arena_dir = os.path.dirname(self.store._dram.arena.path)
-        huge = on_huge_pages(arena_dir)
-        self.arena_pages = ARENA_PAGES[huge]
+        self.arena_pages = self.store._dram.arena.pages
         unix_path = None
         if opts.unix_socket:
             reap_stale_sockets(shm_dir())
@@ -125,9 +122,10 @@ class StorageNode:
             if not self.agent.wait_registered(opts.register_wait_s):
                 log.warning("master %s not reachable yet: serving, and registering as soon as it is", opts.master)
         log.info("node %s serving data on %s", self.node_id, self.server.address)
-        if huge is False:
-            log.info("the DRAM arena in %s is on 4 KiB pages: same-host copies run below memcpy speed; "
-                     "a tmpfs mounted with huge=within_size (--shm-dir) fixes that", arena_dir)
+        if self.arena_pages in ("4KiB", "mixed"):
+            log.info("the DRAM arena %s is %s on 4 KiB pages: same-host copies run below memcpy speed; a tmpfs "
+                     "mounted with huge=within_size (--shm-dir), or Linux >= 6.1 with free memory, fixes that",
+                     self.store._dram.arena.path, "partly" if self.arena_pages == "mixed" else "all")
         return self
 
     def info(self) -> pb.NodeInfo:

@@ -17,6 +17,8 @@ import secrets
 import weakref
 
 from kvstore_client.errors import ConfigError
+from kvstore_client.sharedmap import map_shared
+from kvstore.tiers.hugepages import HUGE_PAGE, collapse_to_huge_pages
 from kvstore.units import format_size
 
 
@@ -64,39 +66,45 @@ def huge_pages_in(mountinfo: list[str], path: str) -> bool | None:
 class SharedArena:
     """A fixed-size, writable, shared mapping; ``view`` is a memoryview over all of it.
 
-    Not thread-safe by itself; the owner decides who writes which range.
+    ``pages`` says what backs it: "huge" (2 MiB pages), "4KiB", "mixed", or "" when
+    unknown (an attached arena). Not thread-safe by itself; the owner decides who
+    writes which range.
     """
 
-    def __init__(self, path: str, size: int, mm: mmap.mmap, owner: bool):
+    def __init__(self, path: str, size: int, mapping: tuple[mmap.mmap, memoryview], owner: bool, pages: str = ""):
         self.path = path
         self.size = size
         self.name = os.path.basename(path)
-        self._mmap = mm
+        self.pages = pages
+        self._mmap, self.view = mapping
         self._owner = owner
-        self.view = memoryview(mm)
         self._unlink_at_exit = weakref.finalize(self, unlink_quietly, path) if owner else None
 
     @classmethod
-    def create(cls, size: int, name: str | None = None, prefault: bool = False) -> "SharedArena":
-        """Create and map a new arena of ``size`` bytes; ``prefault`` touches every page now."""
+    def create(cls, size: int, name: str | None = None, prefault: bool = False,
+               huge_pages: bool = True) -> "SharedArena":
+        """Create and map a new arena of ``size`` bytes; ``prefault`` touches every page now,
+        ``huge_pages`` asks the kernel for 2 MiB pages where the tmpfs would give 4 KiB
+        (``kvstore.tiers.hugepages``)."""
         if size <= 0:
             raise ConfigError("arena size must be positive")
         reap_stale_arenas()
-        _check_room(size, shm_dir())
+        directory = shm_dir()
+        _check_room(size, directory)
         name = name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
-        path = os.path.join(shm_dir(), name)
+        path = os.path.join(directory, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
+            pages = _choose_pages(fd, size, directory, huge_pages)
             _reserve(fd, size, path)
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
-            mm = mmap.mmap(fd, size, flags=flags)
+            mapping = map_shared(fd, size, populate=prefault)
         except BaseException:
             os.unlink(path)
             raise
         finally:
             os.close(fd)
-        return cls(path, size, mm, owner=True)
+        return cls(path, size, mapping, owner=True, pages=pages)
 
     @classmethod
     def attach(cls, name: str) -> "SharedArena":
@@ -105,10 +113,10 @@ class SharedArena:
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            mapping = map_shared(fd, size)
         finally:
             os.close(fd)
-        return cls(path, size, mm, owner=False)
+        return cls(path, size, mapping, owner=False)
 
     def close(self) -> None:
         """Unmap; the creator also removes the name. Views handed out must be released first."""
@@ -122,6 +130,19 @@ class SharedArena:
         self._mmap = None
         if self._unlink_at_exit is not None:
             self._unlink_at_exit()
+
+
+def _choose_pages(fd: int, size: int, directory: str, huge_pages: bool) -> str:
+    """What backs the new, still empty arena ``fd`` in ``directory`` (``SharedArena.pages``):
+    the mount's own page size, or, on a 4 KiB tmpfs and with ``huge_pages``, as much of it
+    as the kernel would turn into 2 MiB pages."""
+    mounted = on_huge_pages(directory)
+    if mounted or not huge_pages:
+        return {True: "huge", False: "4KiB", None: ""}[mounted]
+    huge = collapse_to_huge_pages(fd, size)
+    if huge == 0:
+        return "4KiB" if mounted is False else ""
+    return "huge" if huge == size - size % HUGE_PAGE else "mixed"
 
 
 def _check_room(size: int, directory: str) -> None:
