@@ -45,6 +45,7 @@ from kvstore_client.errors import (
 )
 from kvstore_client.keys import MAX_DIGEST_LEN, MAX_NAMESPACE_LEN, BlockKey, check_key
 from kvstore_client.wire import (
+    FLAG_CHECKSUMS_LAST,
     FLAG_NO_REPLY,
     GET_ITEM,
     HEADER,
@@ -428,17 +429,22 @@ class DataPlaneConnection:
         return results
 
     def _put(self, ready: dict[int, tuple], results: list) -> None:
-        entry = PUT_ENTRY.size + MAX_NAMESPACE_LEN + MAX_DIGEST_LEN  # at most, per item
+        entry = PUT_ENTRY.size + MAX_NAMESPACE_LEN + MAX_DIGEST_LEN + U64.size  # at most, per item
         costs = {i: len(view) + entry for i, (_, view, _) in ready.items()}
 
         def send(chunk: list[int]) -> int:
+            """The payloads first, their checksums after (CHECKSUMS_LAST): each value is hashed
+            once it is on its way (and in cache), while the node receives it."""
             table, payloads = [], []
             for i in chunk:
                 key, view, depth = ready[i]
-                table.append(put_entry(key, depth, len(view), _checksum(view)))
+                table.append(put_entry(key, depth, len(view), 0))
                 payloads.append(view)
-            table_bytes = b"".join(table)
-            return self._send(Op.PUT, len(chunk), table_bytes, payloads, body_extra=sum(map(len, payloads)))
+            trailer = U64.size * len(chunk)
+            request_id = self._send(Op.PUT, len(chunk), b"".join(table), payloads,
+                                    body_extra=sum(map(len, payloads)) + trailer, flags=FLAG_CHECKSUMS_LAST)
+            self._sock.sendall(struct.pack(f"<{len(chunk)}Q", *map(_checksum, payloads)))
+            return request_id
 
         def receive(chunk: list[int], request_id: int) -> None:
             self._statuses(Op.PUT, chunk, request_id, results)

@@ -55,6 +55,7 @@ FLAG_ABORT = 0x4  # COMMIT only: revoke the reservations instead of publishing t
 FLAG_HOLD = 0x8  # LEASE only: the leases never expire (held until RELEASE or the connection ends)
 FLAG_REGRANT = 0x10  # COMMIT and STORE: also grant the same sizes again, for the next STORE
 FLAG_WRITTEN = 0x20  # COMMIT only: the checksums are the writer's, over its own source: recorded, not re-read
+FLAG_CHECKSUMS_LAST = 0x40  # PUT only: the table's checksums are 0; n x u64 checksums follow the payloads
 
 
 class Op(IntEnum):

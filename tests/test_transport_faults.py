@@ -25,6 +25,7 @@ from kvstore_client.wire import (
     FLAG_ABORT,
     FLAG_NO_REPLY,
     FLAG_REGRANT,
+    FLAG_CHECKSUMS_LAST,
     FLAG_WRITTEN,
     GET_ITEM,
     HEADER,
@@ -376,6 +377,44 @@ def test_refused_items_are_drained_and_the_stream_stays_in_sync(server):
         assert read_reply(sock) == (Op.PUT, Status.OK, 2, 1, bytes([Status.CHECKSUM_MISMATCH]))
         assert read_reply(sock)[:3] == (Op.PING, Status.OK, 3)
     assert server.store.get(ok) == b"fine" and not server.store.exists(big) and not server.store.exists(key("damaged"))
+
+
+def test_checksums_after_the_payloads_publish_only_what_they_match(server):
+    """PUT with CHECKSUMS_LAST: nothing is visible until the trailing checksums arrive; a
+    block whose checksum disagrees is not stored, the others are."""
+    store = server.store
+    good, bad = key("last-good"), key("last-bad")
+    payloads = [b"g" * (64 * KiB), b"b" * (64 * KiB)]
+    table = put_entry(good, 0, len(payloads[0]), 0) + put_entry(bad, 0, len(payloads[1]), 0)
+    trailer = U64.pack(xxhash.xxh3_64_intdigest(payloads[0])) + U64.pack(xxhash.xxh3_64_intdigest(b"other"))
+    body = table + b"".join(payloads)
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.PUT, 1, 2, len(body) + len(trailer), flags=FLAG_CHECKSUMS_LAST) + body)
+        wait_until(lambda: store.stats()["dram"]["used"] >= sum(map(len, payloads)))  # both received...
+        assert not store.exists(good) and not store.exists(bad)  # ...and neither published yet
+        sock.sendall(trailer)
+        assert read_reply(sock) == (Op.PUT, Status.OK, 1, 2, bytes([Status.OK, Status.CHECKSUM_MISMATCH]))
+    assert store.get(good) == payloads[0] and not store.exists(bad)
+    store.remove(good)
+
+
+def test_checksums_after_the_payloads_cut_off_or_miscounted_store_nothing(server):
+    store = server.store
+    wait_until(lambda: no_connections(server))
+    used = store.stats()["dram"]["used"]
+    k = key("last-cut")
+    payload = b"c" * (256 * KiB)
+    table = put_entry(k, 0, len(payload), 0)
+    with raw(server) as sock:  # the payload whole, the checksum cut in half
+        sock.sendall(pack_header(Op.PUT, 1, 1, len(table) + len(payload) + 8, flags=FLAG_CHECKSUMS_LAST)
+                     + table + payload + U64.pack(xxhash.xxh3_64_intdigest(payload))[:4])
+        wait_until(lambda: store.stats()["dram"]["used"] > used)
+    wait_until(lambda: no_connections(server))
+    assert not store.exists(k) and store.stats()["dram"]["used"] == used
+    with raw(server) as sock:  # body_len without room for the checksums: a bad frame
+        sock.sendall(pack_header(Op.PUT, 1, 1, len(table) + len(payload), flags=FLAG_CHECKSUMS_LAST) + table)
+        assert "checksums 8 bytes" in expect_error_and_close(sock, Status.BAD_FRAME)
+    assert not store.exists(k)
 
 
 def test_pipelined_requests_are_answered_in_order(server):

@@ -21,6 +21,7 @@ import xxhash
 from kvstore_client.errors import KVStoreError, ProtocolError
 from kvstore_client.wire import (
     FLAG_ABORT,
+    FLAG_CHECKSUMS_LAST,
     FLAG_HOLD,
     FLAG_NO_REPLY,
     FLAG_REGRANT,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from kvstore.transport.connection import Connection, Frame
 
 OK, NOT_FOUND = Status.OK, Status.NOT_FOUND
+_checksum = xxhash.xxh3_64_intdigest
 
 
 def _bad(message: str) -> ProtocolError:
@@ -96,7 +98,7 @@ def op_get(conn: "Connection", frame: "Frame") -> None:
             elif status == Status.NOT_IN_DRAM:  # on SSD and DRAM too full to promote: copy it out
                 data = store.get(key)
                 status = NOT_FOUND if data is None else OK
-                checksum = 0 if data is None else xxhash.xxh3_64_intdigest(data)
+                checksum = 0 if data is None else _checksum(data)
             size = 0 if data is None else len(data)
             if data is not None and size > budget and len(parts) > 1:
                 status, size, checksum = Status.FRAME_TOO_LARGE, 0, 0
@@ -198,8 +200,9 @@ def op_remove(conn: "Connection", frame: "Frame") -> None:
 
 
 # -- writes -------------------------------------------------------------------------------------
-def _read_put_table(conn: "Connection", frame: "Frame") -> list[tuple]:
-    """Entries (key or status, depth, size, checksum); checks they and their payloads fill body_len."""
+def _read_put_table(conn: "Connection", frame: "Frame", trailer: int = 0) -> list[tuple]:
+    """Entries (key or status, depth, size, checksum); checks they, their payloads and a
+    ``trailer`` of that many bytes fill body_len."""
     reader, limit, used, total, entries = conn.reader, frame.body_len, 0, 0, []
     for _ in range(frame.count):
         used += PUT_ENTRY.size
@@ -212,13 +215,14 @@ def _read_put_table(conn: "Connection", frame: "Frame") -> list[tuple]:
         raw = bytes(reader.read(ns_len + dg_len))
         entries.append((decode_key(raw[:ns_len], raw[ns_len:]), depth, size, checksum))
         total += size
-    if used + total != limit:
-        raise _bad(f"PUT body_len {limit} != table {used} + payloads {total} bytes")
+    if used + total + trailer != limit:
+        raise _bad(f"PUT body_len {limit} != table {used} + payloads {total} + checksums {trailer} bytes")
     return entries
 
 
-def _receive_block(conn: "Connection", key, depth: int, size: int, checksum: int) -> int:
-    """Receive one PUT payload straight into a reservation and commit it; drain it if refused."""
+def _receive_block(conn: "Connection", key, depth: int, size: int):
+    """Receive one PUT payload straight into a reservation (returned, still to be committed);
+    a refused item's payload is drained and its status returned instead."""
     if type(key) is int:
         conn.reader.skip(size)
         return key
@@ -232,18 +236,55 @@ def _receive_block(conn: "Connection", key, depth: int, size: int, checksum: int
     except BaseException:
         res.revoke()  # truncated frame or dead client: nothing half-written becomes visible
         raise
+    return res
+
+
+def _committed(commit, checksum: int) -> int:
     try:
-        res.commit(checksum)
+        commit(checksum)
     except KVStoreError as exc:
         return status_of(exc)
     return OK
 
 
 def op_put(conn: "Connection", frame: "Frame") -> None:
-    entries = _read_put_table(conn, frame)
+    """Each item committed as soon as its payload is in (checked against the table's checksum);
+    with CHECKSUMS_LAST the checksums follow the payloads (``_put_checksums_last``)."""
+    if frame.flags & FLAG_CHECKSUMS_LAST:
+        return _put_checksums_last(conn, frame)
     out = bytearray(frame.count)
-    for i, entry in enumerate(entries):
-        out[i] = _receive_block(conn, *entry)
+    for i, (key, depth, size, checksum) in enumerate(_read_put_table(conn, frame)):
+        got = _receive_block(conn, key, depth, size)
+        out[i] = got if isinstance(got, int) else _committed(got.commit, checksum)
+    conn.reply(frame, frame.count, out)
+
+
+def _put_checksums_last(conn: "Connection", frame: "Frame") -> None:
+    """PUT whose writer sends each checksum after the payloads, hashing its bytes while they
+    travel. Each payload is hashed here as it lands (still in cache), held unpublished until
+    the checksums arrive, then committed if they agree (else CHECKSUM_MISMATCH) or all revoked
+    if the frame is cut off."""
+    trailer = U64.size * frame.count
+    held: list = []
+    try:
+        for key, depth, size, _ in _read_put_table(conn, frame, trailer):
+            got = _receive_block(conn, key, depth, size)
+            held.append(got if isinstance(got, int) else (got, _checksum(got.buffer)))
+        expected = struct.unpack(f"<{frame.count}Q", conn.reader.read(trailer))
+    except BaseException:
+        for item in held:
+            if not isinstance(item, int):
+                item[0].revoke()
+        raise
+    out = bytearray(frame.count)
+    for i, (item, checksum) in enumerate(zip(held, expected)):
+        if isinstance(item, int):
+            out[i] = item
+        elif item[1] != checksum:
+            item[0].revoke()
+            out[i] = Status.CHECKSUM_MISMATCH
+        else:
+            out[i] = _committed(item[0].commit_written, checksum)  # just hashed: no second read
     conn.reply(frame, frame.count, out)
 
 
