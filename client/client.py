@@ -124,28 +124,32 @@ class Client:
     # -- reads ----------------------------------------------------------------------------
     def get(self, key: BlockKey) -> bytes | None:
         """The block's bytes, or None when no node holds it."""
-        return self.batch_get([key])[0]
+        key = check_key(key)
+        value = self._read_local_one(key, None)
+        return value if value is not None else self._read([key], None, local_tried=True)[0]
 
     def batch_get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
         return self._read([check_key(k) for k in keys], None)
 
     def get_into(self, key: BlockKey, buffer) -> int | None:
         """Copy the block into ``buffer``; its size, or None when no node holds it."""
-        return self.batch_get_into([key], [buffer])[0]
+        key, view = check_key(key), byte_view(buffer, writable=True)
+        size = self._read_local_one(key, view)
+        return size if size is not None else self._read([key], [view], local_tried=True)[0]
 
     def batch_get_into(self, keys: Sequence[BlockKey], buffers: Sequence) -> list[int | None]:
         if len(buffers) != len(keys):
             raise InvalidValue(f"{len(keys)} keys but {len(buffers)} buffers")
         return self._read([check_key(k) for k in keys], [byte_view(b, writable=True) for b in buffers])
 
-    def _read(self, keys: list[BlockKey], buffers: list | None) -> list:
+    def _read(self, keys: list[BlockKey], buffers: list | None, local_tried: bool = False) -> list:
         """Read each key from this host's nodes' block directories if they have it (no round
         trip, not even to the master), else from its best replica, falling back to the next
         on a miss, a dead node or a damaged copy (a copy damaged at its node is dropped there
         and is a miss). Raises the first error no replica got past (ChecksumMismatch: a copy
         arrived damaged twice though its node holds it intact, and no other copy was read)."""
         results: list = [None] * len(keys)
-        todo = self._read_local(keys, buffers, results)
+        todo = list(range(len(keys))) if local_tried else self._read_local(keys, buffers, results)
         if not todo:
             return results
         located = self._locate([keys[i] for i in todo])
@@ -193,6 +197,16 @@ class Client:
                     results[i] = value
                 todo = [i for i, value in zip(todo, got) if value is None]
         return todo
+
+    def _read_local_one(self, key: BlockKey, view: memoryview | None):
+        """``_read_local`` for one key (the common call, a few microseconds less): its size once
+        copied into ``view``, or its bytes, or None."""
+        for conn in list(self._local.__dict__.get("conns", {}).values()):
+            if getattr(conn, "one_sided", False):
+                got = conn.read_direct_one(key, view)
+                if got is not None:
+                    return got
+        return None
 
     def _read_from(self, node_id: str, keys: list[BlockKey], buffers: list | None) -> tuple[list, dict]:
         """(results, per-key errors) of one node; all misses when it cannot be reached."""

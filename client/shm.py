@@ -197,6 +197,17 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
                 self._hit(key)
         return got
 
+    def read_direct_one(self, key: BlockKey, view: memoryview | None = None):
+        """``read_direct`` of one checked key: its size once copied into ``view`` (a writable
+        byte view), or without one its bytes; None where that did not work."""
+        direct = self._direct
+        if direct is None:
+            return None
+        got = direct.read(key) if view is None else direct.read_into(key, view)
+        if got is not None:
+            self._hit(key)
+        return got
+
     # -- reads -----------------------------------------------------------------------------
     def _read_views(self, keys: list, views: list | None) -> tuple[list, dict[int, KVStoreError]]:
         """One-sided reads first; what they did not serve is leased (or read over the socket)."""
@@ -224,11 +235,9 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         """
         key = check_key(key)
         view = byte_view(buffer, writable=True)
-        if self._direct is not None:
-            size = self._direct.read_into(key, view)
-            if size is not None:
-                self._hit(key)
-                return size
+        size = self.read_direct_one(key, view)
+        if size is not None:
+            return size
         sent = _monotonic()
         lease_id, ((status, offset, size, checksum),) = self._lease((key,), _FIRST, 0)
         if status != _OK:

@@ -167,3 +167,32 @@ def test_a_damaged_copy_is_read_from_another_replica_then_dropped(two_replicas, 
         assert not any(n.store.exists(keys[0]) for n in nodes)
         assert client.get(keys[1]) == values[1]
 
+
+
+def test_same_host_reads_of_published_blocks_need_no_master(tmp_path):
+    """A block in a same-host node's directory is read without a round trip to anyone: with
+    the master gone, get, get_into and batch_get still return it; a block not published there
+    needs the master (ServiceUnavailable)."""
+    from kvstore.master.server import MasterServer
+    from kvstore.node.config import StoreConfig
+    from kvstore.node.daemon import NodeOptions, StorageNode
+
+    master = MasterServer(port=0, ttl_s=5.0, heartbeat_interval_s=0.5).start()
+    node = StorageNode(StoreConfig(dram_capacity=16 << 20), NodeOptions(master=master.address,
+                                                                       data_dir=str(tmp_path / "n"))).start()
+    try:
+        with Client(master.address, timeout=2.0) as client:
+            keys = [("direct", bytes([i]) * 16) for i in range(3)]
+            values = [value_for(k, 10 * KiB + i) for i, k in enumerate(keys)]
+            client.batch_put(keys, values)
+            assert client.get(keys[0]) == values[0]  # the first read dials the node (locate, then map)
+            master.stop()
+            out = bytearray(len(values[1]))
+            assert client.get_into(keys[1], out) == len(out) and out == values[1]
+            assert client.get(keys[2]) == values[2]
+            assert client.batch_get(keys) == values
+            with pytest.raises(ServiceUnavailable):
+                client.get(("direct", b"\xee" * 16))  # not in the directory: only the master knows
+    finally:
+        node.stop()
+        master.stop()
