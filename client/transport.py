@@ -71,6 +71,7 @@ _pack_header = HEADER.pack
 _pack_release1 = struct.Struct(HEADER.format + "Q").pack  # a RELEASE frame of one lease id
 WINDOW = 2  # frames in flight: the next is sent while the node answers the previous
 KEYS_PER_FRAME = 256  # keys-only requests stay small (< 64 KiB), so pipelining cannot deadlock
+OVERLAP_HASH_BYTES = 512 << 10  # PUT frames this large send their checksums after the payloads (measured)
 UNIX_SOCKET_BUFFER = 4 << 20
 
 
@@ -433,17 +434,20 @@ class DataPlaneConnection:
         costs = {i: len(view) + entry for i, (_, view, _) in ready.items()}
 
         def send(chunk: list[int]) -> int:
-            """The payloads first, their checksums after (CHECKSUMS_LAST): each value is hashed
-            once it is on its way (and in cache), while the node receives it."""
-            table, payloads = [], []
-            for i in chunk:
-                key, view, depth = ready[i]
-                table.append(put_entry(key, depth, len(view), 0))
-                payloads.append(view)
-            trailer = U64.size * len(chunk)
-            request_id = self._send(Op.PUT, len(chunk), b"".join(table), payloads,
-                                    body_extra=sum(map(len, payloads)) + trailer, flags=FLAG_CHECKSUMS_LAST)
-            self._sock.sendall(struct.pack(f"<{len(chunk)}Q", *map(_checksum, payloads)))
+            """A frame of at least OVERLAP_HASH_BYTES sends its checksums after the payloads
+            (CHECKSUMS_LAST): each value is hashed once it is on its way, while the node receives
+            it. A smaller one carries them in its table: hashing it first costs less than the
+            node's second wake-up for a trailer sent apart."""
+            views = [ready[i][1] for i in chunk]
+            size = sum(map(len, views))
+            last = size >= OVERLAP_HASH_BYTES
+            table = b"".join(put_entry(ready[i][0], ready[i][2], len(view), 0 if last else _checksum(view))
+                             for i, view in zip(chunk, views))
+            if not last:
+                return self._send(Op.PUT, len(chunk), table, views, body_extra=size)
+            request_id = self._send(Op.PUT, len(chunk), table, views, body_extra=size + U64.size * len(chunk),
+                                    flags=FLAG_CHECKSUMS_LAST)
+            self._sock.sendall(struct.pack(f"<{len(chunk)}Q", *map(_checksum, views)))
             return request_id
 
         def receive(chunk: list[int], request_id: int) -> None:

@@ -383,18 +383,19 @@ def test_checksums_after_the_payloads_publish_only_what_they_match(server):
     """PUT with CHECKSUMS_LAST: nothing is visible until the trailing checksums arrive; a
     block whose checksum disagrees is not stored, the others are."""
     store = server.store
-    good, bad = key("last-good"), key("last-bad")
-    payloads = [b"g" * (64 * KiB), b"b" * (64 * KiB)]
-    table = put_entry(good, 0, len(payloads[0]), 0) + put_entry(bad, 0, len(payloads[1]), 0)
-    trailer = U64.pack(xxhash.xxh3_64_intdigest(payloads[0])) + U64.pack(xxhash.xxh3_64_intdigest(b"other"))
+    good, bad, big = key("last-good"), key("last-bad"), key("last-too-big")
+    payloads = [b"g" * (64 * KiB), b"b" * (64 * KiB), b"x" * (MAX_BLOCK + 1)]
+    table = b"".join(put_entry(k, 0, len(p), 0) for k, p in zip((good, bad, big), payloads))
+    trailer = b"".join(U64.pack(xxhash.xxh3_64_intdigest(p)) for p in (payloads[0], b"other", payloads[2]))
     body = table + b"".join(payloads)
     with raw(server) as sock:
-        sock.sendall(pack_header(Op.PUT, 1, 2, len(body) + len(trailer), flags=FLAG_CHECKSUMS_LAST) + body)
-        wait_until(lambda: store.stats()["dram"]["used"] >= sum(map(len, payloads)))  # both received...
+        sock.sendall(pack_header(Op.PUT, 1, 3, len(body) + len(trailer), flags=FLAG_CHECKSUMS_LAST) + body)
+        wait_until(lambda: store.stats()["dram"]["used"] >= 128 * KiB)  # both received (the third refused)...
         assert not store.exists(good) and not store.exists(bad)  # ...and neither published yet
         sock.sendall(trailer)
-        assert read_reply(sock) == (Op.PUT, Status.OK, 1, 2, bytes([Status.OK, Status.CHECKSUM_MISMATCH]))
-    assert store.get(good) == payloads[0] and not store.exists(bad)
+        assert read_reply(sock) == (Op.PUT, Status.OK, 1, 3,
+                                    bytes([Status.OK, Status.CHECKSUM_MISMATCH, Status.INVALID_VALUE]))
+    assert store.get(good) == payloads[0] and not store.exists(bad) and not store.exists(big)
     store.remove(good)
 
 
