@@ -199,3 +199,24 @@ def test_shared_mappings_are_2mib_aligned_and_refuse_to_close_under_a_view(tmp_p
     held.release()
     owner.close()
     assert owner.closed
+
+
+@needs_collapse
+def test_huge_pages_stop_at_their_time_budget_and_the_rest_stays_4k():
+    from kvstore.tiers.hugepages import collapse_to_huge_pages
+    from kvstore_client.sharedmap import map_shared
+
+    path = os.path.join(shm_dir(), f"kvstore-budget-test-{os.getpid()}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 12 << 20)
+        # sections of 4 MiB and no time at all: the first section is made, no other is started
+        assert collapse_to_huge_pages(fd, 12 << 20, budget_s=0.0, section_chunks=2) == 4 << 20
+        owner, view = map_shared(fd, 12 << 20)
+        view[:] = b"\x01" * len(view)
+        assert pmd_mapped_bytes(path) == 4 << 20
+        view.release()
+        owner.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)

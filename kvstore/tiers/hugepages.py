@@ -12,7 +12,7 @@ request, whatever the sysfs setting short of "deny". For a shmem file the range
 must be mapped at an address congruent to its file offset modulo 2 MiB, and
 hold at least one page already (a range of holes is refused). So
 ``collapse_to_huge_pages`` writes one byte per 2 MiB, maps the file 2 MiB-aligned
-(``kvstore_client.sharedmap``), collapses each 2 MiB and unmaps.
+(``kvstore_client.sharedmap``), collapses it 256 MiB at a time and unmaps.
 The huge folios stay in the file's page cache for its life; every later mapping,
 the node's and the clients', reads them. Whatever could not be collapsed (an
 older kernel, memory too fragmented) stays as it was, and the arena's
@@ -26,18 +26,27 @@ import logging
 import mmap
 import os
 import sys
+import time
 
 from kvstore_client.sharedmap import HUGE_PAGE, map_aligned
 
 log = logging.getLogger(__name__)
 
 MADV_COLLAPSE = 25  # linux/mman.h; Python's mmap module does not name it
+SECTION_CHUNKS = 128  # 256 MiB per madvise call
+TIME_BUDGET_S = 10.0  # no new section after this long
 _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP)
 
 
-def collapse_to_huge_pages(fd: int, size: int) -> int:
+def collapse_to_huge_pages(fd: int, size: int, budget_s: float = TIME_BUDGET_S,
+                           section_chunks: int = SECTION_CHUNKS) -> int:
     """Turn the whole 2 MiB chunks of the shmem file ``fd`` (``size`` bytes, not yet written)
-    into huge pages; returns how many bytes now are. Linux only; 0 where unsupported."""
+    into huge pages; returns how many bytes now are. Linux only; 0 where unsupported.
+
+    A section of ``section_chunks`` chunks per call (each call drains every CPU's page
+    lists, about 4 ms); no new section once ``budget_s`` has passed: where memory is too
+    fragmented for the kernel to find 2 MiB quickly, a large arena would otherwise hold
+    the node's start for minutes (the rest stays on 4 KiB pages)."""
     chunks = size // HUGE_PAGE
     if not chunks or not sys.platform.startswith("linux"):
         return 0
@@ -51,16 +60,26 @@ def collapse_to_huge_pages(fd: int, size: int) -> int:
     if mapped is None:
         return 0
     reservation, offset = mapped
+    started, collapsed = time.monotonic(), 0
     try:
-        reservation.madvise(MADV_COLLAPSE, offset, chunks * HUGE_PAGE)  # one call: each drains every CPU's page lists
-        return chunks * HUGE_PAGE
-    except OSError as exc:
-        if exc.errno in _UNSUPPORTED:  # a kernel before 6.1, or shmem THP set to "deny"
-            log.info("arena stays on 4 KiB pages: MADV_COLLAPSE refused (%s; needs Linux >= 6.1)", exc.strerror)
-            return 0
-        return _collapse_halves(reservation, offset, chunks) * HUGE_PAGE
+        for first in range(0, chunks, section_chunks):
+            if first and time.monotonic() - started > budget_s:
+                log.info("huge pages for %d of %d MiB of the arena; stopped after %.1f s (memory fragmented)",
+                         collapsed * HUGE_PAGE >> 20, chunks * HUGE_PAGE >> 20, time.monotonic() - started)
+                break
+            count = min(section_chunks, chunks - first)
+            try:
+                reservation.madvise(MADV_COLLAPSE, offset + first * HUGE_PAGE, count * HUGE_PAGE)
+                collapsed += count
+            except OSError as exc:
+                if not first and exc.errno in _UNSUPPORTED:  # a kernel before 6.1, or shmem THP "deny"
+                    log.info("arena stays on 4 KiB pages: MADV_COLLAPSE refused (%s; needs Linux >= 6.1)",
+                             exc.strerror)
+                    return 0
+                collapsed += _collapse_halves(reservation, offset + first * HUGE_PAGE, count)
     finally:
         reservation.close()
+    return collapsed * HUGE_PAGE
 
 
 def _collapse_halves(mapping: mmap.mmap, offset: int, chunks: int) -> int:
