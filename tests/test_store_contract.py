@@ -252,6 +252,66 @@ def test_demotion_and_promotion(make_store):
         assert store.get(key(j)) == value_for(key(j), 60 * KiB)
 
 
+def promoted_block(store, size: int = 60 * KiB) -> int:
+    """Fill a 256 KiB DRAM tier over a 2 MiB SSD, then read one demoted block back into DRAM."""
+    for i in range(12):
+        store.put(key(i), value_for(key(i), size), depth=i)
+    store.evict()  # room for the promotion (promotion never evicts)
+    i = next(i for i in range(12) if store.tier_of(key(i)) == "ssd")
+    assert store.get(key(i)) == value_for(key(i), size) and store.tier_of(key(i)) == "dram"
+    return i
+
+
+@pytest.mark.parametrize("tiers", ["dram+ssd"])
+@pytest.mark.parametrize("policy", ["lru"])  # recency alone decides when the promoted block leaves again
+def test_a_promoted_block_keeps_its_ssd_copy_and_is_demoted_again_without_a_write(make_store):
+    store = make_store(dram_capacity=256 * KiB, high_watermark=0.8, low_watermark=0.5)
+    i = promoted_block(store)
+    assert store._ssd.get(key(i)) == value_for(key(i), 60 * KiB)  # the record stayed
+    before = store.stats()
+    for j in range(12, 20):  # push it out of DRAM again
+        store.put(key(j), value_for(key(j), 60 * KiB))
+        store.evict()
+    after = store.stats()
+    assert store.tier_of(key(i)) == "ssd" and store.get(key(i)) == value_for(key(i), 60 * KiB)
+    demoted = after["dram"]["demotions"] - before["dram"]["demotions"]
+    assert after["ssd"]["bytes_written"] - before["ssd"]["bytes_written"] == 60 * KiB * (demoted - 1)
+    assert after["ssd"]["used"] == sum(store.size_of(k) for k in store.keys()
+                                       if store.tier_of(k) == "ssd" or store._table[k].ssd_copy)
+
+
+@pytest.mark.parametrize("tiers", ["dram+ssd"])
+def test_without_keep_ssd_copy_a_promotion_moves_the_block(make_store):
+    store = make_store(dram_capacity=256 * KiB, high_watermark=0.8, low_watermark=0.5, keep_ssd_copy=False)
+    i = promoted_block(store)
+    assert not store._ssd.contains(key(i))
+
+
+@pytest.mark.parametrize("tiers", ["dram+ssd"])
+def test_a_kept_ssd_copy_never_outlives_its_block(make_store):
+    store = make_store(dram_capacity=256 * KiB, high_watermark=0.8, low_watermark=0.5)
+    i = promoted_block(store)
+    store.put(key(i), b"new value")  # replaced: the kept copy of the old value goes
+    assert not store._ssd.contains(key(i)) and store.get(key(i)) == b"new value"
+    j = promoted_block(store) if store.tier_of(key(i)) == "dram" else i
+    store.remove(key(j))
+    assert not store._ssd.contains(key(j)) and store.get(key(j)) is None
+
+
+@pytest.mark.parametrize("tiers", ["dram+ssd"])
+def test_ssd_pressure_drops_kept_copies_but_not_their_blocks(make_store):
+    store = make_store(dram_capacity=256 * KiB, high_watermark=0.8, low_watermark=0.5, ssd_capacity=640 * KiB)
+    i = promoted_block(store)  # 12 x 60 KiB through 256 KiB of DRAM: the SSD is near its 640 KiB
+    for j in range(12, 24):  # more demotions: the SSD evicts, kept copies included
+        store.put(key(j), value_for(key(j), 60 * KiB))
+        store.evict()
+    assert store.stats()["ssd"]["used"] <= 640 * KiB
+    if store.tier_of(key(i)) == "dram":  # still in DRAM: its copy may be gone, the block is not
+        assert store.get(key(i)) == value_for(key(i), 60 * KiB)
+    for k in store.keys():
+        assert store.get(k) == value_for(k, 60 * KiB)
+
+
 @pytest.mark.parametrize("tiers", ["dram+ssd"])
 def test_ssd_only_hits_without_promotion(make_store):
     store = make_store(dram_capacity=128 * KiB, promote_on_hit=False)

@@ -401,6 +401,10 @@ class StoreMachine(RuleBasedStateMachine):
                 if tier == "dram":
                     dram_used += footprint(len(data))
                     dram_blocks += 1
+                    if store._table[key].ssd_copy:  # the SSD record kept when it was promoted
+                        assert store._ssd.get(key) == data, f"{key}'s kept SSD copy holds other bytes"
+                        ssd_used += len(data)
+                        ssd_blocks += 1
                 else:
                     assert tier == "ssd" and self.TIERS == "dram+ssd"
                     assert store._ssd.depth_of(key) == self.depths[key]

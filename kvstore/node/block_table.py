@@ -14,9 +14,12 @@ class BlockMeta:
 
     A new BlockMeta is made on every commit, so code that let go of the store
     lock can tell by identity whether the block it saw is still the current one.
+    ``ssd_copy``: a block in DRAM whose SSD record was kept when it was promoted
+    (same bytes, same checksum; still an SSD eviction candidate), so demoting it
+    again writes nothing.
     """
 
-    __slots__ = ("tier", "size", "depth", "hits", "pins")
+    __slots__ = ("tier", "size", "depth", "hits", "pins", "ssd_copy")
 
     def __init__(self, tier: int, size: int, depth: int, hits: int = 0, pins: int = 0):
         self.tier = tier
@@ -24,6 +27,7 @@ class BlockMeta:
         self.depth = depth
         self.hits = hits
         self.pins = pins
+        self.ssd_copy = False
 
 
 @dataclass

@@ -23,6 +23,9 @@ class StoreConfig:
     else (and always as a last resort) inline on the put that found no room.
     ``directory_slots`` sizes the block directory that same-host clients read
     without a round trip (None: one slot per 32 KiB of DRAM; 0: none).
+    ``promote_on_hit`` brings SSD hits back into DRAM; ``keep_ssd_copy`` keeps
+    their SSD record meanwhile (inclusive tiers, until SSD space is needed), so
+    that demoting them again costs no SSD write.
     """
 
     dram_capacity: int | str = 1 << 30
@@ -37,6 +40,7 @@ class StoreConfig:
     eviction_batch: int = 64
     background_eviction: bool = True
     promote_on_hit: bool = True
+    keep_ssd_copy: bool = True
     verify_dram_reads: bool = False
     namespaces: frozenset[str] | None = None
     granule: int = 4096

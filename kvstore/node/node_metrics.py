@@ -21,6 +21,9 @@ def node_metrics(node) -> list[tuple[str, str, str, dict, float]]:
         for name in _COUNTERS:
             rows.append((f"kvstore_tier_{name}_total", f"Tier {name.replace('_', ' ')} so far.", "counter",
                          labels, s[name]))
+    if "ssd" in stats:
+        rows.append(("kvstore_ssd_written_bytes_total", "Payload bytes written to the SSD tier since the node "
+                     "started.", "counter", base, stats["ssd"]["bytes_written"]))
     store = stats["store"]
     rows.append(("kvstore_node_blocks", "Blocks stored on the node.", "gauge", base, store["blocks"]))
     rows.append(("kvstore_node_pinned_blocks", "Pinned blocks.", "gauge", base, store["pinned"]))

@@ -132,8 +132,7 @@ class BlockStore:
             if old is not None:
                 meta.hits, meta.pins = old.hits, old.pins
                 self._policies[old.tier].discard(key)
-                if old.tier == SSD:
-                    self._ssd.discard(key)
+                self._drop_ssd_record(key, old)
             self._dram.commit(key, extent, checksum)
             self._table[key] = meta
             if not meta.pins:
@@ -398,9 +397,16 @@ class BlockStore:
         self._policies[meta.tier].discard(key)
         if meta.tier == DRAM:
             self._dram.discard(key)
-        else:
-            self._ssd.discard(key)
+        self._drop_ssd_record(key, meta)
         self._emit("removed", key, meta.tier)
+
+    def _drop_ssd_record(self, key: BlockKey, meta: BlockMeta) -> None:
+        """Under _lock: delete the SSD record of a block that is going away or being replaced
+        (its home on SSD, or the copy kept when it was promoted)."""
+        if meta.ssd_copy:
+            self._policies[SSD].discard(key)
+        if meta.tier == SSD or meta.ssd_copy:
+            self._ssd.discard(key)
 
     # -- events, stats, lifecycle ----------------------------------------------------------
     def subscribe(self, listener: Listener) -> None:
@@ -418,6 +424,7 @@ class BlockStore:
             if self._ssd is not None:
                 self._counters[SSD].checksum_failures = self._ssd.checksum_failures
                 tiers["ssd"] = self._tier_stats(SSD, self._ssd)
+                tiers["ssd"]["bytes_written"] = self._ssd.bytes_written
             tiers["store"] = {
                 "blocks": len(self._table),
                 "pinned": sum(1 for m in self._table.values() if m.pins),

@@ -116,16 +116,20 @@ class Tiering:
         victims = self._choose_dram_victims(wanted, max_blocks)
         if not victims:
             return 0
-        stored = [False] * len(victims)
+        kept = [meta.ssd_copy for _, meta, _ in victims]  # already on SSD: nothing to write
+        written = [False] * len(victims)
         if store._ssd is not None:
-            stored = self._write_to_ssd(victims)
+            fresh = [victim for victim, on_ssd in zip(victims, kept) if not on_ssd]
+            done = iter(self._write_to_ssd(fresh) if fresh else ())
+            written = [False if on_ssd else next(done) for on_ssd in kept]
         with store._lock:
-            for (key, meta, extent), on_ssd in zip(victims, stored):
+            for (key, meta, extent), was_kept, wrote in zip(victims, kept, written):
                 current = store._table.get(key) is meta and meta.tier == DRAM and not meta.pins
                 if current and store._dram.current(key) is extent:
                     store._dram.discard(key)
-                    if on_ssd:
-                        meta.tier = SSD
+                    if wrote or (was_kept and meta.ssd_copy):  # a kept copy may have been dropped meanwhile
+                        meta.tier, meta.ssd_copy = SSD, False
+                        store._policies[SSD].discard(key)
                         store._policies[SSD].add(key, depth=meta.depth, hits=meta.hits)
                         store._counters[DRAM].demotions += 1
                         store._emit("moved", key, SSD)
@@ -133,7 +137,7 @@ class Tiering:
                         del store._table[key]
                         store._counters[DRAM].evictions += 1
                         store._emit("removed", key, DRAM)
-                elif on_ssd:  # replaced, removed or pinned meanwhile: the copy is stale
+                elif wrote:  # replaced, removed or pinned meanwhile: the copy is stale
                     store._ssd.discard(key)
                 store._dram.release(extent)
         return len(victims)
@@ -180,6 +184,11 @@ class Tiering:
                 if key is None:
                     break
                 meta = table.get(key)
+                if meta is not None and meta.tier == DRAM and meta.ssd_copy:  # the block stays in DRAM
+                    meta.ssd_copy = False
+                    victims.append(key)
+                    freed += meta.size
+                    continue
                 if meta is None or meta.tier != SSD or meta.pins:
                     continue
                 del table[key]
@@ -193,8 +202,9 @@ class Tiering:
     # -- SSD -> DRAM ----------------------------------------------------------------------------
     def promote(self, key, meta, data: memoryview, checksum: int) -> None:
         """Copy a block just read from SSD, and verified there against ``checksum``, into DRAM
-        and make DRAM its home. Best effort: never evicts inline; skipped when DRAM has no
-        free extent."""
+        and make DRAM its home; with ``keep_ssd_copy`` (and unless pinned) its SSD record
+        stays, as an SSD eviction candidate. Best effort: never evicts inline; skipped when
+        DRAM has no free extent."""
         store, dram = self._store, self._store._dram
         extent = dram.reserve(len(data))
         if extent is None:
@@ -203,8 +213,11 @@ class Tiering:
         dram.writable(extent)[:] = data
         with store._lock:
             if store._table.get(key) is meta and meta.tier == SSD and not store._closed:
-                store._ssd.discard(key)
-                store._policies[SSD].discard(key)
+                if store.config.keep_ssd_copy and not meta.pins:
+                    meta.ssd_copy = True
+                else:
+                    store._ssd.discard(key)
+                    store._policies[SSD].discard(key)
                 dram.commit(key, extent, checksum)
                 extent = None
                 meta.tier = DRAM

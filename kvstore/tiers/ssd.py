@@ -114,6 +114,7 @@ class SsdTier:
         self._write_lock = threading.Lock()
         self.checksum_failures = 0  # reads that found a damaged record (then deleted)
         self.bad_records = 0  # records with a bad key or header, deleted on open
+        self.bytes_written = 0  # payload bytes committed since open (what wears the device)
         os.makedirs(path, exist_ok=True)
         self._env = lmdb.Environment(
             path, map_size=map_size_for(capacity), subdir=True, sync=sync, metasync=sync,
@@ -262,6 +263,7 @@ class SsdTier:
                 old = self._index.get(key)
                 self._used += size - (old[0] if old else 0)
                 self._index[key] = (size, depth)
+                self.bytes_written += size
 
     def discard(self, key: BlockKey) -> bool:
         """Delete the block; False when it was absent."""
