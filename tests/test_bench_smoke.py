@@ -56,3 +56,15 @@ def test_dataplane_bench_runs_small(capsys):
         assert single[name] > 0
     assert single["shm_get_vs_memcpy"] > 0 and single["shm_get_vs_shm_memcpy"] > 0
     assert result["tcp_batch_64k"]["blocks_per_s"] > 0 and len(result["targets"]) == 4
+
+
+def test_tiering_bench_keeping_ssd_copies_stops_rewrites(capsys):
+    from bench import tiering
+
+    # 24 blocks of 64 KiB through 512 KiB of DRAM: every pass demotes and promotes
+    tiering.main(["--blocks", "24", "--size", "64KiB", "--dram", "512KiB", "--ssd", "4MiB", "--rounds", "2",
+                  "--patterns", "cyclic", "--json"])
+    result = json.loads(capsys.readouterr().out)["results"]["cyclic"]
+    assert result["drop"]["ssd_bytes_written_per_read"] > 0  # each demotion rewrites the block
+    assert result["keep"]["ssd_bytes_written_per_read"] < result["drop"]["ssd_bytes_written_per_read"]
+    assert result["keep"]["reads_per_s"] > 0 and result["keep_vs_drop_reads"] > 0
