@@ -73,3 +73,16 @@ def test_tiering_bench_runs_small(capsys):
             assert result[mode]["reads_per_s"] > 0
             assert 0 <= result[mode]["ssd_bytes_written_per_read"] <= 2 * 64 * 1024  # about a demotion per read at most
         assert result["keep_vs_drop_reads"] > 0
+
+
+def test_gc_pauses_bench_runs_small(capsys):
+    from bench import gc_pauses
+
+    gc_pauses.main(["--blocks", "3000", "--puts", "1000", "--runs", "1", "--json"])
+    modes = json.loads(capsys.readouterr().out)["modes"]
+    assert set(modes) == {"default", "frozen"}
+    for phases in modes.values():
+        assert set(phases) == {"fill", "churn"}
+        for figures in phases.values():
+            assert figures["longest_put_ms"] >= figures["p999_put_ms"] > 0
+            assert figures["total_collection_ms"] >= figures["longest_collection_ms"] >= 0

@@ -35,9 +35,12 @@ def embedded_pool(dram: int):
 
 
 def serve_pool(conn, dram: int, max_block: int) -> None:
-    """A master and one node (DRAM only, prefaulted) until ``conn`` closes. Runs in its own process."""
+    """A master and one node (DRAM only, prefaulted) until ``conn`` closes. Runs in its own process,
+    with the services' garbage-collector setting (``kvstore.gc_pauses``)."""
+    from kvstore import gc_pauses
     from kvstore.node.config import StoreConfig
 
+    gc_pauses.install()
     with tempfile.TemporaryDirectory() as tmp:
         config = StoreConfig(dram_capacity=dram, max_block_bytes=max_block, prefault=True)
         master, node = _start_master_and_node(config, tmp)
