@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import platform
 import sys
 
 HUGE_PAGE = 2 << 20
-_MAP_FIXED = 0x10
-_MAP_NORESERVE = 0x4000
+_MAP_FIXED = 0x10  # the same on every Linux architecture; Python's mmap module names neither flag
+# MAP_NORESERVE (the reservation takes no commit charge) where its value is the generic one
+_MAP_NORESERVE = 0x4000 if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64", "riscv64") else 0
 _libc_mmap = None
 
 
