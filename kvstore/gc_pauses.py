@@ -2,7 +2,7 @@
 
 A node holds two GC-tracked objects per block (its BlockMeta and its Extent), the
 master some per indexed block. CPython's full collection scans every tracked
-object, about 180 ms per million here (``python -m bench.gc_pauses``), holding the
+object, about 180 ms per million of them here (``python -m bench.gc_pauses``), holding the
 GIL, so every serving thread stops meanwhile; and it runs whenever a quarter of
 the long-lived objects are new, which a cache that keeps replacing blocks makes
 happen again and again. So the pause grows with the size of the store.
