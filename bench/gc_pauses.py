@@ -65,7 +65,7 @@ def measure(mode: str, blocks: int, puts: int) -> dict:
         result[name] = {"full_collections": len(pauses),
                         "longest_collection_ms": round(1e3 * max(pauses, default=0.0), 2),
                         "total_collection_ms": round(1e3 * sum(pauses), 2),
-                        "longest_put_ms": round(1e3 * latencies[-1], 2),
+                        "longest_put_ms": round(1e3 * latencies[-1], 3),
                         "p999_put_ms": round(1e3 * latencies[int(0.999 * (len(latencies) - 1))], 3)}
     gc.callbacks.remove(timer)
     assert len(store) <= blocks
