@@ -188,14 +188,9 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         """One-sided reads only, of checked keys: each block's bytes (or, with ``views``, its size
         once copied into ``views[j]``); None where that did not work, which is NOT a miss: the
         block may still be on SSD, outside the directory or changing. Never asks the node."""
-        direct = self._direct
-        if direct is None:
+        if self._direct is None:
             return [None] * len(keys)
-        got = [direct.read(key) for key in keys] if views is None else list(map(direct.read_into, keys, views))
-        for key, value in zip(keys, got):
-            if value is not None:
-                self._hit(key)
-        return got
+        return list(map(self.read_direct_one, keys, [None] * len(keys) if views is None else views))
 
     def read_direct_one(self, key: BlockKey, view: memoryview | None = None):
         """``read_direct`` of one checked key: its size once copied into ``view`` (a writable

@@ -443,11 +443,11 @@ class DataPlaneConnection:
             last = size >= OVERLAP_HASH_BYTES
             table = b"".join(put_entry(ready[i][0], ready[i][2], len(view), 0 if last else _checksum(view))
                              for i, view in zip(chunk, views))
-            if not last:
-                return self._send(Op.PUT, len(chunk), table, views, body_extra=size)
-            request_id = self._send(Op.PUT, len(chunk), table, views, body_extra=size + U64.size * len(chunk),
-                                    flags=FLAG_CHECKSUMS_LAST)
-            self._sock.sendall(struct.pack(f"<{len(chunk)}Q", *map(_checksum, views)))
+            trailer = U64.size * len(chunk) if last else 0
+            request_id = self._send(Op.PUT, len(chunk), table, views, body_extra=size + trailer,
+                                    flags=FLAG_CHECKSUMS_LAST if last else 0)
+            if last:
+                self._sock.sendall(struct.pack(f"<{len(chunk)}Q", *map(_checksum, views)))
             return request_id
 
         def receive(chunk: list[int], request_id: int) -> None:

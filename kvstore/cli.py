@@ -140,11 +140,9 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def master(host, port, metrics_port, ttl, replicas, as_json, **scheduling) -> None:
     """Run the master: membership, the global prefix index, placement and the conductor."""
-    from kvstore import gc_pauses
-    from kvstore.serving import StopSignals
+    from kvstore.serving import service_process
 
-    signals = StopSignals()
-    gc_pauses.install()
+    signals = service_process()
     server = start_master(host, port, metrics_port, ttl, replicas, **scheduling)
     announce(as_json, [f"kvstore master listening on {server.address}"] +
              ([f"metrics on http://{server.metrics_address}/metrics"] if server.metrics_address else []),
@@ -174,11 +172,9 @@ def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcac
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def node(master_address, host, port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json) -> None:
     """Run a storage node: DRAM and SSD tiers served to clients, reported to the master."""
-    from kvstore import gc_pauses
-    from kvstore.serving import StopSignals
+    from kvstore.serving import service_process
 
-    signals = StopSignals()
-    gc_pauses.install()
+    signals = service_process()
     storage = start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise)
     announce(as_json, node_lines(storage), node_record(storage))
     signals.serve([storage.stop])
@@ -227,11 +223,9 @@ def node_lines(storage) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def up(host, port, data_port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json) -> None:
     """Run the embedded default: a master and one storage node in this process."""
-    from kvstore import gc_pauses
-    from kvstore.serving import StopSignals
+    from kvstore.serving import service_process
 
-    signals = StopSignals()
-    gc_pauses.install()
+    signals = service_process()
     master_server = start_master(host, port, metrics_port, 5.0, 1)
     node_metrics = metrics_port + 1 if metrics_port > 0 else metrics_port
     storage = start_node(master_server.address, host, data_port, node_metrics, data_dir, dram, ssd, max_block, policy,

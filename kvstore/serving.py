@@ -1,4 +1,7 @@
-"""Run services in the foreground until SIGTERM or SIGINT, then stop them cleanly."""
+"""Run services in the foreground until SIGTERM or SIGINT, then stop them cleanly.
+
+``service_process()`` readies a process to serve: stop signals caught, and the
+garbage collector kept from pausing it for all of its state (``kvstore.gc_pauses``)."""
 
 from __future__ import annotations
 
@@ -48,3 +51,12 @@ class StopSignals:
             self.restore()
             for stop in stops:
                 stop()
+
+
+def service_process() -> StopSignals:
+    """Ready this process to run services (call before starting them): its StopSignals."""
+    from kvstore import gc_pauses
+
+    signals = StopSignals()
+    gc_pauses.install()
+    return signals

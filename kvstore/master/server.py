@@ -176,13 +176,11 @@ def run_master(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, ttl_s: floa
     restored on return); from another thread, the call blocks until the process
     ends. ``on_ready(server)`` runs once the server listens (e.g. to print its address).
     """
-    from kvstore import gc_pauses
-    from kvstore.serving import StopSignals
+    from kvstore.serving import service_process
 
-    gc_pauses.install()
+    signals = service_process()
     server = MasterServer(host, port, ttl_s=ttl_s, heartbeat_interval_s=heartbeat_interval_s,
                           replication_factor=replication_factor, metrics_port=metrics_port)
-    signals = StopSignals()
     try:
         server.start()
         if on_ready is not None:

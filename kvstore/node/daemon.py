@@ -96,14 +96,12 @@ class StorageNode:
         self.server = None
         self.metrics = None
         self.agent = None
-        self.arena_pages = ""  # NodeInfo.arena_pages, found once at start
 
     def start(self) -> "StorageNode":
         from kvstore.transport.server import DataPlaneServer
 
         opts = self.options
         self.store = BlockStore(self.config)
-        self.arena_pages = self.store._dram.arena.pages
         unix_path = None
         if opts.unix_socket:
             reap_stale_sockets(shm_dir())
@@ -122,10 +120,11 @@ class StorageNode:
             if not self.agent.wait_registered(opts.register_wait_s):
                 log.warning("master %s not reachable yet: serving, and registering as soon as it is", opts.master)
         log.info("node %s serving data on %s", self.node_id, self.server.address)
-        if self.arena_pages in ("4KiB", "mixed"):
+        arena = self.store._dram.arena
+        if arena.pages in ("4KiB", "mixed"):
             log.info("the DRAM arena %s is %s on 4 KiB pages: same-host copies run below memcpy speed; a tmpfs "
                      "mounted with huge=within_size (--shm-dir), or Linux >= 6.1 with free memory, fixes that",
-                     self.store._dram.arena.path, "partly" if self.arena_pages == "mixed" else "all")
+                     arena.path, "partly" if arena.pages == "mixed" else "all")
         return self
 
     def info(self) -> pb.NodeInfo:
@@ -137,7 +136,7 @@ class StorageNode:
             unix_socket=self.server.unix_path or "",
             shm_arena=self.store._dram.arena.name,
             metrics_address=self.metrics.address if self.metrics else "",
-            arena_pages=self.arena_pages,
+            arena_pages=self.store._dram.arena.pages,
         )
 
     def data_address(self) -> str:

@@ -118,10 +118,10 @@ class Tiering:
             return 0
         kept = [meta.ssd_copy for _, meta, _ in victims]  # already on SSD: nothing to write
         written = [False] * len(victims)
-        if store._ssd is not None:
-            fresh = [victim for victim, on_ssd in zip(victims, kept) if not on_ssd]
-            done = iter(self._write_to_ssd(fresh) if fresh else ())
-            written = [False if on_ssd else next(done) for on_ssd in kept]
+        fresh = [j for j, on_ssd in enumerate(kept) if not on_ssd]
+        if store._ssd is not None and fresh:
+            for j, ok in zip(fresh, self._write_to_ssd([victims[j] for j in fresh])):
+                written[j] = ok
         with store._lock:
             for (key, meta, extent), was_kept, wrote in zip(victims, kept, written):
                 current = store._table.get(key) is meta and meta.tier == DRAM and not meta.pins
