@@ -20,7 +20,14 @@ import grpc
 
 from kvstore_client.buffers import byte_view
 from kvstore_client.connect import check_data_path, open_connection
-from kvstore_client.errors import ChecksumMismatch, InvalidValue, KVStoreError, Overloaded, ServiceUnavailable
+from kvstore_client.errors import (
+    ChecksumMismatch,
+    InvalidValue,
+    KVStoreError,
+    Overloaded,
+    PutFailed,
+    ServiceUnavailable,
+)
 from kvstore_client.hashing import BlockHasher
 from kvstore_client.hostid import machine_id
 from kvstore_client.keys import BlockKey, check_key
@@ -84,15 +91,21 @@ class Client:
         self.scheduling = SchedulingCalls(self._channel, self._call)
 
     # -- writes -------------------------------------------------------------------------
-    def put(self, key: BlockKey, value, *, depth: int = 0) -> None:
-        """Store one block (any contiguous buffer) in the pool."""
-        self.batch_put([key], [value], depths=[depth])
+    def put(self, key: BlockKey, value, *, depth: int = 0, wait: bool = True) -> None:
+        """Store one block (any contiguous buffer) in the pool (``wait``: see ``batch_put``)."""
+        self.batch_put([key], [value], depths=[depth], wait=wait)
 
-    def batch_put(self, keys: Sequence[BlockKey], values: Sequence, *, depths: Sequence[int] | None = None) -> None:
+    def batch_put(self, keys: Sequence[BlockKey], values: Sequence, *, depths: Sequence[int] | None = None,
+                  wait: bool = True) -> None:
         """Store blocks; the master places them (local node first, else the one with most free space).
 
         Raises the typed error of the first block the primary node refused;
-        replicas are best effort.
+        replicas are best effort. With ``wait=False`` it returns once the
+        values are on their way (copied into the node's arena, or handed to
+        the socket): the caller may reuse its buffers at once, and the next
+        put overlaps the node's work on this one. This thread's next read
+        from that node waits for them first; ``wait_for_puts`` waits for all
+        of them and raises PutFailed for those not stored.
         """
         keys = [check_key(k) for k in keys]
         if len(values) != len(keys):
@@ -105,13 +118,13 @@ class Client:
             nodes = self._placement(namespace, sum(len(views[i]) for i in idx))
             items = [(keys[i], views[i], depths[i]) for i in idx]
             primary, *replicas = nodes
-            refused = [e for e in self._on_node(primary, lambda c: c.put_many(items)) if e is not None]
+            refused = [e for e in self._on_node(primary, lambda c: c.put_many(items, wait)) if e is not None]
             if refused:
                 raise refused[0]
             stored_on = [primary.node_id]
             for node in replicas:
                 try:
-                    refused = [e for e in self._on_node(node, lambda c: c.put_many(items)) if e is not None]
+                    refused = [e for e in self._on_node(node, lambda c: c.put_many(items, wait)) if e is not None]
                 except OSError as exc:
                     refused = [exc]
                 if refused:
@@ -120,6 +133,28 @@ class Client:
                     stored_on.append(node.node_id)
             located = tuple((n, pb.DRAM) for n in stored_on)
             self._locations.remember((keys[i], located) for i in idx)
+
+    def wait_for_puts(self) -> None:
+        """Wait until the nodes have answered every put this thread sent with ``wait=False``;
+        raise PutFailed (``.failures``: key, node id, error) if any was not stored, replica
+        copies included. Blocks not stored read as misses."""
+        for node_id, conn in list(self._local.__dict__.get("conns", {}).items()):
+            try:
+                conn.settle()
+            except KVStoreError:
+                self._drop_conn(node_id)  # keeps what its puts failed to store
+            self._take_put_failures(node_id, conn)
+        failures = self._local.__dict__.pop("put_failures", [])
+        if failures:
+            self._locations.forget(key for key, _, _ in failures)
+            raise PutFailed(failures)
+
+    def _take_put_failures(self, node_id: str, conn) -> None:
+        """Move what ``conn``'s puts not waited for failed to store into this thread's list."""
+        if conn.put_failures:
+            failures = self._local.__dict__.setdefault("put_failures", [])
+            failures.extend((key, node_id, error) for key, error in conn.put_failures)
+            conn.put_failures.clear()
 
     # -- reads ----------------------------------------------------------------------------
     def get(self, key: BlockKey) -> bytes | None:
@@ -394,6 +429,7 @@ class Client:
                 conn.close()
             except OSError:
                 pass
+            self._take_put_failures(node_id, conn)
         with self._lock:
             self._placements.clear()
 
@@ -406,6 +442,8 @@ class Client:
                 conn.close()
             except OSError:
                 pass
+            for key, error in conn.put_failures:
+                log.warning("a put sent without waiting was not stored (%r): %s", key, error)
         self._channel.close()
 
     def __enter__(self) -> "Client":

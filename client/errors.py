@@ -80,3 +80,14 @@ class Overloaded(KVStoreError):
     def __init__(self, message: str, reason: str = ""):
         super().__init__(message)
         self.reason = reason
+
+
+class PutFailed(KVStoreError):
+    """Puts sent without waiting (``wait=False``) that a node did not store. ``failures``
+    lists (key, node_id, error) for each; the caller still holds the values, or not."""
+
+    def __init__(self, failures: list):
+        key, node_id, error = failures[0]
+        super().__init__(f"{len(failures)} put(s) sent without waiting were not stored; "
+                         f"the first, {key!r} on node {node_id}: {error}")
+        self.failures = failures

@@ -119,6 +119,7 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
     def __init__(self, target: str, arena_name: str | None = None, *, verify: bool = True,
                  timeout: float | None = None, one_sided: bool = True):
         self.target = target
+        self._grants: list = []  # arena space set aside for our next puts (ArenaWrites)
         super().__init__(_connect(target, timeout), verify=verify)
         ttl = self._info.get("lease_ttl")
         self.lease_ttl: float | None = None if ttl is None else float(ttl)  # the node's, from INFO
@@ -198,6 +199,8 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         direct = self._direct
         if direct is None:
             return None
+        if self._unacked:  # read this connection's own puts
+            self.settle()
         got = direct.read(key) if view is None else direct.read_into(key, view)
         if got is not None:
             self._hit(key)

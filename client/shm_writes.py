@@ -9,6 +9,10 @@ and every reader verifies them. Both replies carry a grant of the same sizes for
 (REGRANT), for puts of at most ``GRANT_MAX_BYTES`` and 1/64 of the arena: a
 grant is DRAM set aside for as long as its connection lives.
 
+Puts not waited for (``wait=False``) leave the STORE's or COMMIT's reply for
+later and keep two grants going (the second from a RESERVE with REGRANT): the
+client copies its next value into one while the node publishes the other.
+
 ``ArenaWrites`` is the write half of ``ShmConnection`` (a mixin over a
 ``DataPlaneConnection`` with the arena mapped at ``_mem``). Frames:
 ``proto/dataplane.md``.
@@ -42,64 +46,100 @@ _checksum = xxhash.xxh3_64_intdigest
 
 
 class ArenaWrites:
-    """The put path of a same-host connection. ``_grant`` is (id, sizes, offsets) of the
-    arena space the node set aside for the next put, or None."""
+    """The put path of a same-host connection. ``_grants`` holds (id, sizes, offsets) of the
+    arena space the node set aside for the next puts, oldest first; ``_grants_coming`` counts
+    the grants that replies not read yet will bring."""
 
-    _grant: tuple | None = None
+    _grants: list  # set by the connection
+    _grants_coming = 0
 
-    def _put(self, ready: dict[int, tuple], results: list) -> None:
+    def _put(self, ready: dict[int, tuple], results: list, wait: bool = True) -> None:
         """Write each chunk into arena space the node set aside, then have it published: into
-        the grant left by the previous put when the sizes match (one STORE round trip, with
-        the checksums of the sources), else RESERVE, copy, COMMIT with those checksums
-        (WRITTEN). Both ask for a grant of the same sizes for the next put (REGRANT)."""
+        a grant of the same sizes (one STORE, with the checksums of the sources), else
+        RESERVE, copy, COMMIT with those checksums (WRITTEN). Both ask for a grant of the
+        same sizes for the next put (REGRANT). Without ``wait`` the STORE or COMMIT is not
+        waited for, and a second grant is asked for once."""
         costs = {i: len(view) for i, (_, view, _) in ready.items()}
         for chunk in _split(list(ready), costs, self.max_frame_bytes, KEYS_PER_FRAME):
-            sizes = [len(ready[i][1]) for i in chunk]
-            grant, self._grant = self._grant, None
-            if grant is not None and grant[1] == sizes:
-                statuses = self._store(grant[0], [ready[i] for i in chunk], grant[2])
+            items = [ready[i] for i in chunk]
+            sizes = [len(view) for _, view, _ in items]
+            grant = self._take_grant(sizes, wait)
+            if grant is not None:
+                statuses = self._store(grant[0], items, grant[2], wait)
             else:
-                if grant is not None:
-                    self._drop_grant(grant)
-                statuses = self._reserve_and_commit(ready, chunk)
+                statuses = self._reserve_and_commit(items, wait)
+            if not wait and self._regrant(sizes) and len(self._grants) + self._grants_coming < 2:
+                self._ask_grant(items)
             for i, status in zip(chunk, statuses):
                 results[i] = None if status == Status.OK else error_for(status)
 
-    def _store(self, grant_id: int, items: list[tuple], offsets: list[int]) -> list[int]:
+    def _take_grant(self, sizes: list[int], wait: bool) -> tuple | None:
+        """A grant of exactly ``sizes``, giving back the others; without ``wait``, reads the
+        replies still to come for one before giving up."""
+        grants = self._grants
+        while True:
+            for n, grant in enumerate(grants):
+                if grant[1] == sizes:
+                    del grants[n]
+                    return grant
+            while grants:
+                self._drop_grant(grants.pop())
+            if wait or not self._grants_coming or not self._unacked:
+                return None
+            with self._stream():
+                self._collect_unacked(len(self._unacked) - 1)
+
+    def _store(self, grant_id: int, items: list[tuple], offsets: list[int], wait: bool) -> list[int]:
         """Copy ``items`` (key, view, depth) into a grant's space and STORE them (REGRANT)."""
         table = [U64.pack(grant_id)]
         for (key, view, depth), offset in zip(items, offsets):
             self._mem[offset : offset + len(view)] = view
             table.append(put_entry(key, depth, len(view), _checksum(view)))  # of the source: see op_store
         with self._stream():
-            return self._publish(Op.STORE, b"".join(table), [len(v) for _, v, _ in items])
+            return self._publish(Op.STORE, b"".join(table), items, 0, wait)
 
-    def _reserve_and_commit(self, ready: dict[int, tuple], chunk: list[int]) -> list[int]:
-        reservation_id, items = self._reserve(ready, chunk)
-        statuses = [status for status, _ in items]
+    def _reserve_and_commit(self, items: list[tuple], wait: bool) -> list[int]:
+        reservation_id, reserved = self._reserve(items)
+        statuses = [status for status, _ in reserved]
         if not reservation_id:
             return statuses
         checksums = []
-        for i, (status, offset) in zip(chunk, items):
-            view = ready[i][1]
+        for (_, view, _), (status, offset) in zip(items, reserved):
             if status == Status.OK:
                 self._mem[offset : offset + len(view)] = view
             checksums.append(_checksum(view) if status == Status.OK else 0)
         with self._stream():
-            table = U64.pack(reservation_id) + struct.pack(f"<{len(chunk)}Q", *checksums)
-            committed = self._publish(Op.COMMIT, table, [len(ready[i][1]) for i in chunk], FLAG_WRITTEN)
+            table = U64.pack(reservation_id) + struct.pack(f"<{len(items)}Q", *checksums)
+            committed = self._publish(Op.COMMIT, table, items, FLAG_WRITTEN, wait,
+                                      [status == Status.OK for status in statuses])
         return [s if s != Status.OK else c for s, c in zip(statuses, committed)]
 
-    def _publish(self, op: int, table: bytes, sizes: list[int], flags: int = 0) -> list[int]:
-        """Send a COMMIT or STORE; its statuses. Small puts ask for a grant of the same sizes
-        for the next put (larger ones would hold too much DRAM idle, and gain little)."""
-        regrant = sum(sizes) <= min(GRANT_MAX_BYTES, len(self._mem) // 64)
+    def _regrant(self, sizes: list[int]) -> bool:
+        """Whether puts of ``sizes`` keep a grant: larger ones would hold too much DRAM idle,
+        and gain little."""
+        return sum(sizes) <= min(GRANT_MAX_BYTES, len(self._mem) // 64)
+
+    def _publish(self, op: int, table: bytes, items: list[tuple], flags: int, wait: bool,
+                 reported: list[bool] | None = None) -> list[int]:
+        """Send a COMMIT or STORE (REGRANT when the sizes keep a grant); its statuses, or, not
+        waiting, all OK with the reply left for later (``reported``: the items whose failures
+        that reply may still bring, default all)."""
+        sizes = [len(view) for _, view, _ in items]
+        regrant = self._regrant(sizes)
         request_id = self._send(op, len(sizes), table, flags=flags | (FLAG_REGRANT if regrant else 0))
-        if not regrant:
-            statuses = [Status.OK] * len(sizes)
-            self._statuses(op, list(range(len(sizes))), request_id, statuses)
-            return statuses
-        return self._statuses_and_grant(op, request_id, sizes)
+        self._grants_coming += regrant
+
+        def statuses(request_id: int) -> list[int]:
+            if regrant:
+                return self._statuses_and_grant(op, request_id, sizes)
+            return self._status_list(op, request_id, len(sizes))
+
+        if wait:
+            return statuses(request_id)
+        keys = [key for n, (key, _, _) in enumerate(items) if reported is None or reported[n]]
+        self._defer(request_id, keys, lambda request_id: [s for n, s in enumerate(statuses(request_id))
+                                                          if reported is None or reported[n]])
+        return [Status.OK] * len(sizes)
 
     def _statuses_and_grant(self, op: int, request_id: int, sizes: list[int]) -> list[int]:
         """Read a REGRANT reply: the statuses, then keep the grant when all of it was granted."""
@@ -108,17 +148,35 @@ class ArenaWrites:
             raise ProtocolError("REGRANT reply body_len does not match its count")
         body = self._reader.read(n + U64.size + n * RESERVED_ITEM.size)
         statuses = list(body[:n])
-        grant_id = U64.unpack_from(body, n)[0]
-        granted = list(RESERVED_ITEM.iter_unpack(body[n + U64.size :]))
+        self._keep_grant(U64.unpack_from(body, n)[0], list(RESERVED_ITEM.iter_unpack(body[n + U64.size :])), sizes)
+        return statuses
+
+    def _keep_grant(self, grant_id: int, granted: list[tuple[int, int]], sizes: list[int]) -> None:
+        """Keep a grant the node made (give it back unless all of it was granted)."""
+        self._grants_coming = max(0, self._grants_coming - 1)
         for (status, offset), size in zip(granted, sizes):
             if status == Status.OK and offset + size > len(self._mem):
                 raise ProtocolError(f"the node granted {size} bytes at {offset}, outside its arena")
         grant = (grant_id, sizes, [offset for _, offset in granted])
         if grant_id and all(status == Status.OK for status, _ in granted):
-            self._grant = grant
+            self._grants.append(grant)
         elif grant_id:
             self._drop_grant(grant)
-        return statuses
+
+    def _ask_grant(self, items: list[tuple]) -> None:
+        """Ask for one more grant of the items' sizes (RESERVE with REGRANT), reply left for later."""
+        sizes = [len(view) for _, view, _ in items]
+        with self._stream():
+            table = b"".join([reserve_entry(key, depth, len(view)) for key, view, depth in items])
+            request_id = self._send(Op.RESERVE, len(items), table, flags=FLAG_REGRANT)
+            self._grants_coming += 1
+
+            def collect(request_id: int) -> list[int]:
+                grant_id, granted = self._read_reserved(request_id, sizes)
+                self._keep_grant(grant_id, granted, sizes)
+                return []  # a grant stores nothing: nothing to report
+
+            self._defer(request_id, [], collect)
 
     def _drop_grant(self, grant: tuple) -> None:
         """Give a grant's space back (COMMIT with ABORT, no reply: stream order applies it)."""
@@ -127,16 +185,20 @@ class ArenaWrites:
                 table = U64.pack(grant[0]) + bytes(U64.size * len(grant[1]))
                 self._send(Op.COMMIT, len(grant[1]), table, flags=FLAG_ABORT | FLAG_NO_REPLY)
 
-    def _reserve(self, ready: dict[int, tuple], chunk: list[int]) -> tuple[int, list[tuple[int, int]]]:
-        """RESERVE arena space for the chunk's items: (reservation id, [(status, offset)])."""
-        size = U64.size + len(chunk) * RESERVED_ITEM.size
+    def _reserve(self, items: list[tuple]) -> tuple[int, list[tuple[int, int]]]:
+        """RESERVE arena space for ``items``: (reservation id, [(status, offset)])."""
         with self._stream():
-            table = b"".join([reserve_entry(ready[i][0], ready[i][2], len(ready[i][1])) for i in chunk])
-            if self._reply(Op.RESERVE, self._send(Op.RESERVE, len(chunk), table), len(chunk)) != size:
-                raise ProtocolError("RESERVE reply body_len does not match its count")
-            body = self._reader.read(size)
-            items = list(RESERVED_ITEM.iter_unpack(body[U64.size :]))
-            for i, (status, offset) in zip(chunk, items):
-                if status == Status.OK and offset + len(ready[i][1]) > len(self._mem):
-                    raise ProtocolError(f"the node reserved {len(ready[i][1])} bytes at {offset}, outside its arena")
-            return U64.unpack_from(body)[0], items
+            table = b"".join([reserve_entry(key, depth, len(view)) for key, view, depth in items])
+            return self._read_reserved(self._send(Op.RESERVE, len(items), table), [len(v) for _, v, _ in items])
+
+    def _read_reserved(self, request_id: int, sizes: list[int]) -> tuple[int, list[tuple[int, int]]]:
+        """Read a RESERVE reply: (reservation id, [(status, offset)]), each inside the arena."""
+        size = U64.size + len(sizes) * RESERVED_ITEM.size
+        if self._reply(Op.RESERVE, request_id, len(sizes)) != size:
+            raise ProtocolError("RESERVE reply body_len does not match its count")
+        body = self._reader.read(size)
+        reserved = list(RESERVED_ITEM.iter_unpack(body[U64.size :]))
+        for (status, offset), n in zip(reserved, sizes):
+            if status == Status.OK and offset + n > len(self._mem):
+                raise ProtocolError(f"the node reserved {n} bytes at {offset}, outside its arena")
+        return U64.unpack_from(body)[0], reserved

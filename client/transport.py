@@ -23,6 +23,12 @@ connection closed. Big batches are split so that no frame exceeds the node's
 ``max_frame_bytes``, with up to two frames in flight. Shared-memory reads
 release their leases late, in front of the connection's next request;
 ``flush()`` releases them at once (and is a no-op on socket transports).
+
+``put_many(items, wait=False)`` sends and returns: the node's replies are read
+in front of the reply to the connection's next request, or by ``flush()``
+(at most ``UNACKED_MAX`` frames stay unanswered). What such puts failed to
+store, a dead connection's unanswered items included, collects in
+``put_failures`` as (key, error) pairs.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ WINDOW = 2  # frames in flight: the next is sent while the node answers the prev
 KEYS_PER_FRAME = 256  # keys-only requests stay small (< 64 KiB), so pipelining cannot deadlock
 OVERLAP_HASH_BYTES = 512 << 10  # PUT frames this large send their checksums after the payloads (measured)
 UNIX_SOCKET_BUFFER = 4 << 20
+UNACKED_MAX = 8  # frames of puts sent without waiting that may stay unanswered (replies are a few bytes)
 
 
 def _connect(target: str, timeout: float | None) -> socket.socket:
@@ -161,6 +168,9 @@ class DataPlaneConnection:
         self._touched: list[bytes] = []  # key entries of one-sided reads (shared memory): reported likewise
         self._guard = _StreamGuard(self)
         self._landing = LandingBuffer()
+        self._unacked: deque = deque()  # (request id, keys, read its reply -> statuses) of puts not waited for
+        self._collecting = False  # reading those replies: _reply must not start on the next one
+        self.put_failures: list[tuple[BlockKey, KVStoreError]] = []
         try:
             self._info = self.info(refresh=True)
         except BaseException:
@@ -179,6 +189,10 @@ class DataPlaneConnection:
 
     def _die(self, reason: str) -> None:
         self._dead = reason
+        while self._unacked:  # sent, never answered: the caller must not think them stored
+            _, keys, _ = self._unacked.popleft()
+            failure = TransportError(f"connection failed before the node answered the put ({reason})")
+            self.put_failures.extend((key, failure) for key in keys)
         try:
             self._sock.close()
         except OSError:
@@ -220,13 +234,51 @@ class DataPlaneConnection:
         (counted as hits). Both otherwise go out with this connection's next request, and
         leases expire after the node's lease TTL. A no-op when nothing is pending, and on
         socket transports."""
+        self.settle()
         if not (self._finished or self._touched) or self._dead is not None:
             return
         with self._stream():
             self._reader.skip(self._reply(Op.PING, self._send(Op.PING, 0, b""), 0))
 
+    def settle(self) -> None:
+        """Read the replies of the puts sent without waiting (a read that asks no node calls
+        it first, so that it sees them)."""
+        if self._unacked and self._dead is None:
+            with self._stream():
+                self._collect_unacked()
+
+    def _defer(self, request_id: int, keys: list, collect) -> None:
+        """Leave the reply to ``request_id`` (puts of ``keys``) for later: ``collect(request_id)``
+        reads it and returns the statuses. Reads the oldest such replies when too many wait."""
+        self._unacked.append((request_id, keys, collect))
+        if len(self._unacked) > UNACKED_MAX:
+            self._collect_unacked(UNACKED_MAX)
+
+    def _collect_unacked(self, keep: int = 0) -> None:
+        """Read the replies of puts not waited for, oldest first, until ``keep`` remain; what
+        they failed to store goes to ``put_failures``. Inside a ``_stream`` (a failure kills the
+        connection, which reports the rest)."""
+        self._collecting = True
+        try:
+            while len(self._unacked) > keep:
+                request_id, keys, collect = self._unacked[0]
+                try:
+                    statuses = collect(request_id)
+                except KVStoreError as exc:
+                    self._unacked.popleft()
+                    self.put_failures.extend((key, exc) for key in keys)
+                    raise
+                self._unacked.popleft()
+                self.put_failures.extend((key, error_for(status))
+                                         for key, status in zip(keys, statuses) if status != Status.OK)
+        finally:
+            self._collecting = False
+
     def _reply(self, op: int, request_id: int, count: int | None) -> int:
-        """Read a reply header for ``request_id``; its body_len. Error frames raise their typed error."""
+        """Read a reply header for ``request_id`` (after those of puts sent before it without
+        waiting); its body_len. Error frames raise their typed error."""
+        if self._unacked and not self._collecting:
+            self._collect_unacked()
         r_op, status, _, r_id, r_count, body_len = unpack_header(self._reader.read(HEADER_SIZE))
         if r_op == Op.ERROR or status != Status.OK:
             message = bytes(self._reader.read(body_len)).decode(errors="replace") if body_len <= 65536 else ""
@@ -409,11 +461,14 @@ class DataPlaneConnection:
         return self.get_many([key])[0]
 
     # -- writes --------------------------------------------------------------------------------
-    def put_many(self, items) -> list[KVStoreError | None]:
+    def put_many(self, items, wait: bool = True) -> list[KVStoreError | None]:
         """Store ``(key, value[, depth])`` items; per item None (stored) or the typed error.
 
         Values are any contiguous buffers; empty or oversized values get
-        InvalidValue without being sent. Connection failures raise.
+        InvalidValue without being sent. Connection failures raise. With
+        ``wait=False`` it returns once the values are on their way (the
+        caller may reuse its buffers): None then means sent, and what the node
+        refuses later goes to ``put_failures``.
         """
         results: list = [None] * len(items)
         ready: dict[int, tuple] = {}
@@ -426,10 +481,10 @@ class DataPlaneConnection:
                 results[i] = exc
                 continue
             ready[i] = (key, view, depth)
-        self._put(ready, results)
+        self._put(ready, results, wait)
         return results
 
-    def _put(self, ready: dict[int, tuple], results: list) -> None:
+    def _put(self, ready: dict[int, tuple], results: list, wait: bool = True) -> None:
         entry = PUT_ENTRY.size + MAX_NAMESPACE_LEN + MAX_DIGEST_LEN + U64.size  # at most, per item
         costs = {i: len(view) + entry for i, (_, view, _) in ready.items()}
 
@@ -455,7 +510,14 @@ class DataPlaneConnection:
             for i in chunk:
                 results[i] = None if results[i] == Status.OK else error_for(results[i])
 
-        self._pipeline(_split(list(ready), costs, self.max_frame_bytes, self.max_items), send, receive)
+        chunks = _split(list(ready), costs, self.max_frame_bytes, self.max_items)
+        if wait:
+            self._pipeline(chunks, send, receive)
+            return
+        with self._stream():
+            for chunk in chunks:
+                self._defer(send(chunk), [ready[i][0] for i in chunk],
+                            lambda request_id, n=len(chunk): self._status_list(Op.PUT, request_id, n))
 
     def _statuses(self, op: int, chunk: list[int], request_id: int, out: list) -> None:
         """Read a reply of one status byte per item into ``out[i]`` for i in chunk."""
@@ -464,8 +526,14 @@ class DataPlaneConnection:
         for i, status in zip(chunk, bytes(self._reader.read(len(chunk)))):
             out[i] = status
 
-    def put(self, key: BlockKey, value, depth: int = 0) -> None:
-        error = self.put_many([(key, value, depth)])[0]
+    def _status_list(self, op: int, request_id: int, count: int) -> list[int]:
+        """The statuses of a reply of one status byte per item."""
+        out = [0] * count
+        self._statuses(op, list(range(count)), request_id, out)
+        return out
+
+    def put(self, key: BlockKey, value, depth: int = 0, wait: bool = True) -> None:
+        error = self.put_many([(key, value, depth)], wait)[0]
         if error is not None:
             raise error
 
@@ -528,7 +596,12 @@ class DataPlaneConnection:
             self._reader.skip(self._reply(Op.PING, self._send(Op.PING, 0, b""), 0))
 
     def close(self) -> None:
+        """Close the connection, after reading the replies of puts sent without waiting."""
         if self._dead is None:
+            try:
+                self.settle()
+            except KVStoreError:  # the connection died meanwhile: put_failures says what
+                return
             self._die("closed by the client")
 
     @property

@@ -9,9 +9,10 @@ import pytest
 
 from kvstore_client import AsyncClient, BlockHasher, Client, PrefixMatch
 from kvstore_client.client import with_cached_locations
-from kvstore_client.errors import BufferTooSmall, InvalidKey, InvalidValue, ServiceUnavailable
+from kvstore_client.errors import BufferTooSmall, InvalidKey, InvalidValue, PutFailed, ServiceUnavailable
 from kvstore.benchmark import embedded_pool
 from tests.conftest import value_for
+from tests.processes import wait_for
 
 KiB = 1 << 10
 
@@ -40,6 +41,23 @@ def test_any_buffer_in_and_out(client):
     assert client.get((ns, b"z" * 16)) is None
     with pytest.raises(BufferTooSmall):
         client.get_into((ns, b"a" * 16), bytearray(100))
+
+
+def test_puts_not_waited_for_are_read_back_here_and_elsewhere(client, master):
+    ns = f"nowait-{client.prefer_shm}"
+    keys = BlockHasher(ns, 4).keys(list(range(4 * 24)))
+    values = [value_for(k, 96 * KiB) for k in keys]
+    buffer = bytearray(96 * KiB)
+    for k, v in zip(keys[:12], values):
+        buffer[:] = v
+        client.put(k, buffer, wait=False)  # the buffer is the caller's again at once
+    buffer[:] = bytes(len(buffer))
+    client.batch_put(keys[12:], values[12:], wait=False)
+    assert client.get(keys[0]) == values[0]  # this thread reads its own puts
+    client.wait_for_puts()
+    with Client(master) as other:
+        wait_for(lambda: all(other.batch_exists(keys)))  # the node reports new blocks to the master
+        assert other.batch_get(keys) == values
 
 
 def test_typed_errors(client):

@@ -7,7 +7,9 @@ import urllib.request
 import numpy as np
 import pytest
 
-from kvstore_client import BlockHasher, Client
+import signal
+
+from kvstore_client import BlockHasher, Client, PutFailed
 from tests.conftest import run_in_threads, value_for
 from tests.processes import start_master, start_node, wait_for
 
@@ -101,6 +103,31 @@ def test_killed_node_reads_as_miss_then_leaves_the_index(cluster):
         wait_for(lambda: holder.record["node_id"] not in node_ids(client), timeout=10)
         wait_for(lambda: not any(client.batch_exists(keys)), timeout=10)
         assert located
+
+
+def test_puts_not_waited_for_to_a_node_that_dies_raise_put_failed(tmp_path):
+    """The node is frozen (SIGSTOP) before the puts reach it, then killed: wait_for_puts names
+    every block and the node; the blocks read as misses, never as errors."""
+    master = start_master(ttl=1.0)
+    node = start_node(master.record["master"], tmp_path / "n", ssd="0")
+    try:
+        with Client(master.record["master"], data_path="tcp", placement_ttl=60) as client:
+            wait_for(lambda: node_ids(client))
+            warm, *keys = keys_of(6, ns="frozen")
+            client.put(warm, value_for(warm, 16 * KiB))  # placement and connection made
+            node.proc.send_signal(signal.SIGSTOP)
+            for k in keys:
+                client.put(k, value_for(k, 16 * KiB), wait=False)
+            node.kill()
+            with pytest.raises(PutFailed) as failed:
+                client.wait_for_puts()
+            assert [k for k, _, _ in failed.value.failures] == keys
+            assert {n for _, n, _ in failed.value.failures} == {node.record["node_id"]}
+            assert client.batch_get(keys) == [None] * len(keys)
+            client.wait_for_puts()  # reported once
+    finally:
+        node.close()
+        master.close()
 
 
 def test_node_restart_brings_ssd_blocks_back(tmp_path):

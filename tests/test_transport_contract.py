@@ -313,3 +313,36 @@ def test_info_describes_the_node(connect):
     info = connect().info()
     assert info["max_block_bytes"] == MAX_BLOCK and info["max_frame_bytes"] == MAX_FRAME
     assert info["arena"] and info["machine_id"] and info["version"] == 1
+
+
+def test_puts_not_waited_for_store_what_the_buffers_held_and_are_read_back(connect):
+    """wait=False returns once the bytes are on their way: the caller reuses its buffer at
+    once; the connection's next read sees every such put (replies read in order first)."""
+    conn = connect()
+    sizes = [64 * KiB] * 12 + [3 * KiB, MiB + 3] + [64 * KiB] * 4  # same sizes in a row, then others
+    keys = keys_for(f"nowait-{connect.transport}", len(sizes))
+    values = [value(f"nowait-{connect.transport}-{i}", s) for i, s in enumerate(sizes)]
+    scratch = bytearray(max(sizes))
+    for k, v in zip(keys, values):
+        scratch[: len(v)] = v
+        assert conn.put_many([(k, memoryview(scratch)[: len(v)])], wait=False) == [None]
+        scratch[: len(v)] = bytes(len(v))  # reused at once: must not change what was stored
+    assert conn.get(keys[-1]) == values[-1]  # the first read answers every put before it
+    assert conn.get_many(keys) == values
+    assert conn.put_failures == []
+
+
+def test_refusals_of_puts_not_waited_for_are_reported_once(connect):
+    conn = connect()
+    good = keys_for(f"nowait-ok-{connect.transport}", 6)
+    bad = keys_for(f"nowait-bad-{connect.transport}", 3, namespace="undeclared")
+    items = [(k, value(f"n{i}", 4 * KiB)) for i, k in enumerate(good[:3] + bad + good[3:])]
+    returned = []
+    for item in items:
+        returned += conn.put_many([item], wait=False)
+    conn.flush()
+    refused = {items[i][0]: e for i, e in enumerate(returned) if e is not None}
+    refused.update(conn.put_failures)
+    assert len(refused) == len([e for e in returned if e is not None]) + len(conn.put_failures)  # each once
+    assert set(refused) == set(bad) and all(isinstance(e, UnknownNamespace) for e in refused.values())
+    assert conn.get_many(good) == [v for k, v in items if k in good]

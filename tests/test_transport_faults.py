@@ -518,3 +518,39 @@ def test_client_maps_error_frames():
     with pytest.raises(ProtocolError, match="no such thing") as info:
         conn.exists(key("k"))
     assert info.value.status == Status.UNKNOWN_LEASE and conn.closed
+
+
+def test_puts_not_waited_for_on_a_connection_that_dies_are_reported_not_stored(server):
+    """A node that takes the puts and goes away without answering (a fake one, so that it
+    never answers): the read that finds the connection dead raises TransportError, and every
+    put sent without waiting is in put_failures as a TransportError."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    taken = threading.Event()
+
+    def fake_node() -> None:
+        sock, _ = listener.accept()
+        with sock:
+            head = sock.recv(HEADER.size, socket.MSG_WAITALL)  # INFO
+            info = json.dumps(server.info()).encode()
+            sock.sendall(pack_header(Op.INFO, HEADER.unpack(head)[5], 0, len(info), flags=1) + info)
+            wanted = 5 * (64 * KiB + HEADER.size)  # the five PUT frames, at least
+            got = 0
+            while got < wanted:
+                got += len(sock.recv(1 << 20))
+            taken.set()
+
+    thread = threading.Thread(target=fake_node, daemon=True)
+    thread.start()
+    conn = TcpConnection("127.0.0.1:%d" % listener.getsockname()[1])
+    try:
+        keys = [("ns", b"unanswered-%d" % i) for i in range(5)]
+        for k in keys:
+            assert conn.put_many([(k, b"v" * (64 * KiB))], wait=False) == [None]
+        assert taken.wait(5)
+        with pytest.raises(TransportError):
+            conn.get_many([("ns", b"anything")])
+        assert [k for k, _ in conn.put_failures] == keys
+        assert all(isinstance(e, TransportError) for _, e in conn.put_failures)
+    finally:
+        conn.close()
+        listener.close()

@@ -236,7 +236,7 @@ def test_same_sized_puts_go_through_grants_and_grants_end_with_the_connection(tm
             grants = []
             for i, k in enumerate(keys):
                 conn.put(k, uniform(i))
-                grants.append(conn._grant[0])  # the grant left for the next put
+                grants.append(conn._grants[-1][0])  # the grant left for the next put
             assert len(set(grants)) == len(keys)  # each put used the last grant and got a fresh one
             assert [store.get(k) for k in keys] == [uniform(i) for i in range(len(keys))]
             assert store.stats()["dram"]["used"] == used + (len(keys) + 1) * BLOCK  # the blocks and one grant

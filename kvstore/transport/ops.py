@@ -289,11 +289,17 @@ def _put_checksums_last(conn: "Connection", frame: "Frame") -> None:
 
 
 def op_reserve(conn: "Connection", frame: "Frame") -> None:
-    """Reserve arena space for a same-host writer: u64 reservation id, then (status, offset)."""
+    """Reserve arena space for a same-host writer: u64 reservation id, then (status, offset).
+    With REGRANT the space is a grant, bound to no key (a STORE names them): a writer that
+    sends puts without waiting for their replies keeps a second grant this way."""
     store = conn.store
-    wanted = [(key if type(key) is int else OK,
-               lambda k=key, size=size, depth=depth: store.reserve(k, size, depth=depth))
-              for key, (_, _, depth, size) in conn.read_table(frame, RESERVE_ENTRY)]
+    entries = conn.read_table(frame, RESERVE_ENTRY)
+    if frame.flags & FLAG_REGRANT:
+        wanted = [(OK, lambda size=size: store.grant(size)) for _, (_, _, _, size) in entries]
+    else:
+        wanted = [(key if type(key) is int else OK,
+                   lambda k=key, size=size, depth=depth: store.reserve(k, size, depth=depth))
+                  for key, (_, _, depth, size) in entries]
     conn.reply(frame, frame.count, _reserved_table(conn, wanted))
 
 
