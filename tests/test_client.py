@@ -60,6 +60,20 @@ def test_puts_not_waited_for_are_read_back_here_and_elsewhere(client, master):
         assert other.batch_get(keys) == values
 
 
+def test_the_next_placement_is_asked_for_before_the_current_one_runs_out(master):
+    keys = BlockHasher("ahead", 4).keys(list(range(4 * 6)))
+    with Client(master, placement_bytes=256 * KiB, placement_ttl=60) as client:
+        for k in keys[:2]:
+            client.put(k, value_for(k, 64 * KiB))
+        assert not client._next_placements  # half of the placement left
+        client.put(keys[2], value_for(keys[2], 64 * KiB))
+        asked = client._next_placements["ahead"][1]
+        for k in keys[3:5]:
+            client.put(k, value_for(k, 64 * KiB))  # the fifth needs a new placement: the one asked ahead
+        assert not client._next_placements and asked.done()
+        assert client.batch_get(keys[:5]) == [value_for(k, 64 * KiB) for k in keys[:5]]
+
+
 def test_typed_errors(client):
     with pytest.raises(InvalidValue):
         client.put(("m", b"k" * 16), b"")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-OPS = ("put", "get", "get_into", "batch_put", "batch_get", "batch_get_into")
+OPS = ("put", "put_nowait", "get", "get_into", "batch_put", "batch_get", "batch_get_into")
 TRANSPORTS = ("tcp", "shm")
 MiB = 1 << 20
 
 BASELINES = {  # op -> (redis-py measure, redis-benchmark test, batch?, raw socket measure)
     "put": ("redis:set", "set", False, "socket:put"),
+    "put_nowait": ("redis:pipe_set", "set", True, "socket:put"),  # Redis's way not to wait: a pipeline
     "batch_put": ("redis:pipe_set", "set", True, "socket:put"),
     "get": ("redis:get", "get", False, "socket:get"),
     "get_into": ("redis:get", "get", False, "socket:get"),

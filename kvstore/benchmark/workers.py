@@ -24,6 +24,18 @@ def _must_all(values):
     return values
 
 
+def _then_wait(calls: list, wait) -> list:
+    """``calls`` whose last one also runs ``wait()``: a run of puts not waited for is timed
+    until the node has answered them all."""
+    last = calls[-1]
+
+    def last_and_wait():
+        last()
+        wait()
+
+    return calls[:-1] + [last_and_wait]
+
+
 class Worker:
     """State of one client process: a Client per transport, a socket, a redis connection, values."""
 
@@ -102,6 +114,8 @@ class Worker:
         c, keys, values, dst = self.client(transport), self.keys, self.values, self.dst
         return {
             "put": lambda: [lambda i=i: c.put(keys[i], values[i]) for i in singles],
+            "put_nowait": lambda: _then_wait([lambda i=i: c.put(keys[i], values[i], wait=False) for i in singles],
+                                             c.wait_for_puts),
             "get": lambda: [lambda i=i: _must(c.get(keys[i])) for i in singles],
             "get_into": lambda: [lambda i=i: _must(c.get_into(keys[i], dst[0])) for i in singles],
             "batch_put": lambda: [lambda b=b: c.batch_put([keys[i] for i in b], [values[i] for i in b])
