@@ -1,11 +1,16 @@
 """Flat byte views of caller buffers (bytes, bytearray, memoryview, numpy, torch), and the
-receive space connections reuse for reads that return bytes."""
+bytes objects that reads returning bytes receive into."""
 
 from __future__ import annotations
 
+import ctypes
+
 from kvstore_client.errors import InvalidValue
 
-LANDING_MAX = 64 << 20  # the most receive space a connection keeps for get()
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # (NULL, n): a bytes object to fill
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_BYTES_DATA = bytes.__basicsize__ - 1  # where a bytes object's data starts (CPython's ob_sval)
 
 
 def byte_view(obj: object, *, writable: bool = False) -> memoryview:
@@ -40,25 +45,10 @@ def _torch_bytes(tensor):  # pragma: no cover - exercised only where torch is in
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-class LandingBuffer:
-    """Receive space that ``get`` reuses from call to call: ``take(size)`` hands out the next
-    ``size`` bytes of it (a fresh buffer when it is full), ``reset()`` makes it all free again,
-    grown to what the last round needed, up to ``LANDING_MAX`` bytes."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-        self._used = self._asked = 0  # bytes handed out of the kept space / asked for, this round
-
-    def take(self, size: int) -> memoryview:
-        self._asked += size
-        end = self._used + size
-        if end > len(self._buffer):
-            return memoryview(bytearray(size))
-        view = memoryview(self._buffer)[self._used : end]
-        self._used = end
-        return view
-
-    def reset(self) -> None:
-        if len(self._buffer) < self._asked <= LANDING_MAX:
-            self._buffer = bytearray(self._asked)
-        self._used = self._asked = 0
+def receivable_bytes(size: int) -> tuple[bytes, memoryview]:
+    """A new bytes object of ``size`` bytes, not filled yet, and a writable view of its data,
+    so that a block get() returns as bytes is received straight into it: one copy instead
+    of two (receive, then copy into bytes), and no second large allocation per block. The
+    view must be filled before the object is handed out, and never used after."""
+    block = _new_bytes(None, size)
+    return block, memoryview((ctypes.c_ubyte * size).from_address(id(block) + _BYTES_DATA)).cast("B")

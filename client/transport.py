@@ -40,7 +40,7 @@ from collections import deque
 
 import xxhash
 
-from kvstore_client.buffers import LandingBuffer, byte_view
+from kvstore_client.buffers import byte_view, receivable_bytes
 from kvstore_client.errors import (
     BufferTooSmall,
     ChecksumMismatch,
@@ -167,7 +167,6 @@ class DataPlaneConnection:
         self._finished: list[int] = []  # lease ids done with (shared memory): released with the next request
         self._touched: list[bytes] = []  # key entries of one-sided reads (shared memory): reported likewise
         self._guard = _StreamGuard(self)
-        self._landing = LandingBuffer()
         self._unacked: deque = deque()  # (request id, keys, read its reply -> statuses) of puts not waited for
         self._collecting = False  # reading those replies: _reply must not start on the next one
         self.put_failures: list[tuple[BlockKey, KVStoreError]] = []
@@ -356,29 +355,25 @@ class DataPlaneConnection:
         return results, errors
 
     def _get_bytes(self, keys: list) -> tuple[list, dict]:
-        """Blocks land in the connection's reused landing buffer and are copied once into
-        their bytes objects (receiving into a fresh bytearray and converting it keeps two
-        large allocations per block, which glibc answers with fresh pages, and page faults,
-        on every call)."""
+        """Blocks are received straight into new bytes objects (``receivable_bytes``): one
+        copy, as for get_into. A block is handed out only once it is in and verified."""
         out: dict[int, bytes] = {}
         errors: dict[int, KVStoreError] = {}
-        landing = self._landing
-        placed: dict[int, memoryview] = {}
+        placed: dict[int, bytes] = {}
 
         def target(j: int, size: int | None):
             out.pop(j, None)
             if size is None:  # a retry found no block after all: forget the earlier copy
                 placed.pop(j, None)
                 return None
-            placed[j] = view = landing.take(size)
+            placed[j], view = receivable_bytes(size)
             return view
 
-        def landed() -> None:  # the blocks placed so far are in and verified: copy them out
-            for j, view in placed.items():
+        def landed() -> None:  # the blocks placed so far are in and verified
+            for j, block in placed.items():
                 if j not in errors:
-                    out[j] = bytes(view)
+                    out[j] = block
             placed.clear()
-            landing.reset()
 
         # sizes are unknown: chunk by count; the node defers what overflows a frame (FRAME_TOO_LARGE)
         self._read_checked(keys, list(range(len(keys))), [0] * len(keys), target, errors, landed)
