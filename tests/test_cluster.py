@@ -20,6 +20,12 @@ def keys_of(n: int, ns: str = "m"):
     return BlockHasher(ns, 4).keys(list(range(4 * n)))
 
 
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T in /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 def node_ids(client: Client, alive_only: bool = True) -> set[str]:
     return {n.info.node_id for n in client.cluster_status().nodes if n.alive or not alive_only}
 
@@ -116,6 +122,7 @@ def test_puts_not_waited_for_to_a_node_that_dies_raise_put_failed(tmp_path):
             warm, *keys = keys_of(6, ns="frozen")
             client.put(warm, value_for(warm, 16 * KiB))  # placement and connection made
             node.proc.send_signal(signal.SIGSTOP)
+            wait_for(lambda: stopped(node.proc.pid))  # a signal is delivered, not always at once
             for k in keys:
                 client.put(k, value_for(k, 16 * KiB), wait=False)
             node.kill()
