@@ -313,8 +313,10 @@ class Client:
         return removed
 
     # -- token-level helpers ---------------------------------------------------------------------
-    def store_prefix(self, hasher: BlockHasher, tokens: Sequence[int], blocks: Sequence) -> int:
-        """Store the KV blocks of ``tokens`` (one value per full block) that the pool lacks.
+    def store_prefix(self, hasher: BlockHasher, tokens: Sequence[int], blocks: Sequence, *,
+                     wait: bool = True) -> int:
+        """Store the KV blocks of ``tokens`` (one value per full block) that the pool lacks
+        (``wait``: see ``batch_put``).
 
         Returns how many blocks were written (those after the longest cached prefix).
         """
@@ -323,7 +325,7 @@ class Client:
             raise InvalidValue(f"{len(keys)} full blocks but {len(blocks)} values")
         start = self.match_prefix(keys).longest
         if start < len(keys):
-            self.batch_put(keys[start:], list(blocks[start : len(keys)]), depths=range(start, len(keys)))
+            self.batch_put(keys[start:], list(blocks[start : len(keys)]), depths=range(start, len(keys)), wait=wait)
         return len(keys) - start
 
     def load_prefix(self, hasher: BlockHasher, tokens: Sequence[int], buffers: Sequence) -> int:
