@@ -33,7 +33,13 @@ of the per-round ratios of a measure to its baseline:
 - ``shm_get_batch16``: get_into_many of 16 keys into 16 buffers, against
   ``memcpy_16dst``: numpy.copyto from anonymous buffers into the same 16
   buffers in turn;
-- ``tcp_batch_64k``: get_into_many of 64 KiB blocks in batches of 64, blocks/s.
+- ``tcp_batch_64k``: get_into_many of 64 KiB blocks in batches of 64, blocks/s;
+- ``shm_put``: ShmConnection.put of the same blocks (replacing them), and
+  ``shm_put_nowait`` with ``wait=False`` (the round ends when the node has
+  answered every put), against ``memcpy`` and the floor of any same-host
+  put: ``arena_write``, numpy.copyto of each block into the next place of
+  a fresh SharedArena (huge pages, as the node's), and ``arena_write_xxh3``,
+  the same plus the XXH3-64 of the source that the writer sends along.
 
 Targets: tcp_get >= 0.7x raw_socket; shm_get >= 0.6x memcpy; shm_get_batch16
 >= 0.6x memcpy_16dst; tcp_batch_64k >= 20,000 blocks/s.
@@ -49,6 +55,7 @@ import tempfile
 import time
 
 import numpy as np
+import xxhash
 
 from bench.common import emit, markdown_table, median_rate
 from bench.node_process import NodeProcess, bench_keys
@@ -76,6 +83,10 @@ RATIOS = [  # (measure, its baseline): each ratio the median over rounds of the 
     ("shm_get_noverify", "memcpy"),
     ("shm_get_leased", "memcpy"),
     ("shm_get_batch16", "memcpy_16dst"),
+    ("shm_put", "memcpy"),
+    ("shm_put_nowait", "memcpy"),
+    ("arena_write", "memcpy"),
+    ("arena_write_xxh3", "memcpy"),
 ]
 
 
@@ -118,6 +129,8 @@ def bench_1mib(size: int, working_set: int, repeats: int, tmp: str) -> dict:
     batch = 16
     bufs = [np.empty(size, dtype=np.uint8) for _ in range(batch)]
     arena, shm_cold = shm_file(cold)
+    target = SharedArena.create(2 * count * size, prefault=True)
+    places = np.frombuffer(target.view, dtype=np.uint8).reshape(2 * count, size)
     with NodeProcess(size, count, os.path.join(tmp, "dp.sock"), raw=True) as node:
         raw_sock = socket.create_connection(node.info["raw_address"].rsplit(":", 1))
         raw_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -144,6 +157,26 @@ def bench_1mib(size: int, working_set: int, repeats: int, tmp: str) -> dict:
                 np.copyto(bufs[i % batch], cold[i])
             return count * size
 
+        def arena_writes(checksum: bool):
+            written = [0]
+
+            def run() -> int:  # a fresh place each time, as a put's grant is
+                for i in range(count):
+                    np.copyto(places[written[0] % len(places)], cold[i])
+                    written[0] += 1
+                    if checksum:
+                        xxhash.xxh3_64_intdigest(cold[i])
+                return count * size
+            return run
+
+        def puts(wait: bool):
+            def run() -> int:
+                for key, block in zip(keys, cold):
+                    shm.put(key, block, wait=wait)
+                shm.flush()
+                return count * size
+            return run
+
         measures = {
             "raw_socket": lambda: raw_round(raw_sock, dst, count),
             "tcp_get": each(tcp),
@@ -155,6 +188,10 @@ def bench_1mib(size: int, working_set: int, repeats: int, tmp: str) -> dict:
             "shm_get_leased": each(shm_leased),
             "memcpy_16dst": memcpy_rotating,
             "shm_get_batch16": shm_batched,
+            "shm_put": puts(True),
+            "shm_put_nowait": puts(False),
+            "arena_write": arena_writes(False),
+            "arena_write_xxh3": arena_writes(True),
         }
         rates = interleaved(measures, repeats)
         check = shm.get(keys[-1])
@@ -162,8 +199,9 @@ def bench_1mib(size: int, working_set: int, repeats: int, tmp: str) -> dict:
         for conn in (tcp, tcp_fast, shm, shm_noverify, shm_leased):
             conn.close()
         raw_sock.close()
-    del shm_cold
+    del shm_cold, places
     arena.close()
+    target.close()
     out = {f"{name}_gbps": round(statistics.median(r) / 1e9, 3) for name, r in rates.items()}
     for num, den in RATIOS:
         out[f"{num}_vs_{den}"] = round(statistics.median(a / b for a, b in zip(rates[num], rates[den])), 3)
@@ -225,6 +263,13 @@ def _table(result: dict) -> str:
          s["shm_get_leased_vs_memcpy"]],
         ["shm get_into_many (16 keys)", s["shm_get_batch16_gbps"], "memcpy into 16 buffers", s["memcpy_16dst_gbps"],
          s["shm_get_batch16_vs_memcpy_16dst"]],
+        ["shm put", s["shm_put_gbps"], "memcpy (anonymous)", s["memcpy_gbps"], s["shm_put_vs_memcpy"]],
+        ["shm put, not waited for", s["shm_put_nowait_gbps"], "memcpy (anonymous)", s["memcpy_gbps"],
+         s["shm_put_nowait_vs_memcpy"]],
+        ["copy into fresh arena space", s["arena_write_gbps"], "memcpy (anonymous)", s["memcpy_gbps"],
+         s["arena_write_vs_memcpy"]],
+        ["the same + XXH3 of the source", s["arena_write_xxh3_gbps"], "memcpy (anonymous)", s["memcpy_gbps"],
+         s["arena_write_xxh3_vs_memcpy"]],
     ]
     text = markdown_table([f"{result['size']} path", "GB/s", "baseline", "GB/s", "ratio"], rows)
     text += (f"\n\nTCP get_into_many of 64 KiB blocks, batches of {b['batch']}: "

@@ -45,6 +45,11 @@ GRANT_MAX_BYTES = 4 << 20  # puts up to this size (and 1/64 of the arena) keep a
 _checksum = xxhash.xxh3_64_intdigest
 
 
+def _reserve_table(items: list[tuple]) -> bytes:
+    """The RESERVE entries of (key, view, depth) items."""
+    return b"".join([reserve_entry(key, depth, len(view)) for key, view, depth in items])
+
+
 class ArenaWrites:
     """The put path of a same-host connection. ``_grants`` holds (id, sizes, offsets) of the
     arena space the node set aside for the next puts, oldest first; ``_grants_coming`` counts
@@ -167,8 +172,7 @@ class ArenaWrites:
         """Ask for one more grant of the items' sizes (RESERVE with REGRANT), reply left for later."""
         sizes = [len(view) for _, view, _ in items]
         with self._stream():
-            table = b"".join([reserve_entry(key, depth, len(view)) for key, view, depth in items])
-            request_id = self._send(Op.RESERVE, len(items), table, flags=FLAG_REGRANT)
+            request_id = self._send(Op.RESERVE, len(items), _reserve_table(items), flags=FLAG_REGRANT)
             self._grants_coming += 1
 
             def collect(request_id: int) -> list[int]:
@@ -188,8 +192,8 @@ class ArenaWrites:
     def _reserve(self, items: list[tuple]) -> tuple[int, list[tuple[int, int]]]:
         """RESERVE arena space for ``items``: (reservation id, [(status, offset)])."""
         with self._stream():
-            table = b"".join([reserve_entry(key, depth, len(view)) for key, view, depth in items])
-            return self._read_reserved(self._send(Op.RESERVE, len(items), table), [len(v) for _, v, _ in items])
+            request_id = self._send(Op.RESERVE, len(items), _reserve_table(items))
+            return self._read_reserved(request_id, [len(view) for _, view, _ in items])
 
     def _read_reserved(self, request_id: int, sizes: list[int]) -> tuple[int, list[tuple[int, int]]]:
         """Read a RESERVE reply: (reservation id, [(status, offset)]), each inside the arena."""

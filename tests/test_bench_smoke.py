@@ -52,7 +52,8 @@ def test_dataplane_bench_runs_small(capsys):
     dataplane.main(["--working-set", "8MiB", "--repeats", "1", "--batch-blocks", "64", "--json"])
     result = json.loads(capsys.readouterr().out)
     single = result["single"]
-    for name in ("memcpy_gbps", "shm_memcpy_gbps", "shm_get_gbps", "tcp_get_gbps", "raw_socket_gbps"):
+    for name in ("memcpy_gbps", "shm_memcpy_gbps", "shm_get_gbps", "tcp_get_gbps", "raw_socket_gbps",
+                 "shm_put_gbps", "shm_put_nowait_gbps", "arena_write_gbps", "arena_write_xxh3_gbps"):
         assert single[name] > 0
     assert single["shm_get_vs_memcpy"] > 0 and single["shm_get_vs_shm_memcpy"] > 0
     assert result["tcp_batch_64k"]["blocks_per_s"] > 0 and len(result["targets"]) == 4

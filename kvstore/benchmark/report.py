@@ -166,12 +166,14 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _plot_series(recs: list[dict], op: str, batch_op: str) -> dict:
-    """{line label: {size: GB/s}} of one panel: kvstore per transport, its batch op, the baselines."""
+def _plot_series(recs: list[dict], ops: tuple[str, ...], batch_op: str) -> dict:
+    """{line label: {size: GB/s}} of one panel: kvstore per transport and op, its batch op, and
+    the baselines of the first op."""
     series = {}
     for r in recs:
-        if r["op"] == op:
-            series.setdefault(f"kvstore {r['transport']} {op}", {})[r["size"]] = r["kvstore_gbps"]
+        if r["op"] in ops:
+            series.setdefault(f"kvstore {r['transport']} {r['op']}", {})[r["size"]] = r["kvstore_gbps"]
+        if r["op"] == ops[0]:
             for prefix, name in (("redis", "Redis, redis-py"), ("redis_c", "Redis, redis-benchmark (C)"),
                                  ("socket", "limit: raw Python socket"), ("memcpy", "limit: memcpy")):
                 if r.get(f"{prefix}_gbps") is not None:
@@ -194,9 +196,9 @@ def plot(result: dict, path: str) -> None:
     clients = min(result["config"]["clients"])
     recs = [r for r in result["records"] if r["clients"] == clients]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-    for ax, (title, op, batch_op) in zip(axes, (("get (get_into)", "get_into", "batch_get_into"),
-                                                ("put", "put", "batch_put"))):
-        for name, points in _plot_series(recs, op, batch_op).items():
+    for ax, (title, ops, batch_op) in zip(axes, (("get (get_into)", ("get_into",), "batch_get_into"),
+                                                 ("put", ("put", "put_nowait"), "batch_put"))):
+        for name, points in _plot_series(recs, ops, batch_op).items():
             xs = sorted(points)
             style = "--" if name.startswith("limit") else (":" if "Redis" in name else "-")
             ax.plot([x / 1024 for x in xs], [points[x] for x in xs], style, marker="o", label=name)
