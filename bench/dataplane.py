@@ -157,7 +157,7 @@ def bench_1mib(size: int, working_set: int, repeats: int, tmp: str) -> dict:
                 np.copyto(bufs[i % batch], cold[i])
             return count * size
 
-        def arena_writes(checksum: bool):
+        def arena_writes(places: np.ndarray, checksum: bool):
             written = [0]
 
             def run() -> int:  # a fresh place each time, as a put's grant is
@@ -190,8 +190,8 @@ def bench_1mib(size: int, working_set: int, repeats: int, tmp: str) -> dict:
             "shm_get_batch16": shm_batched,
             "shm_put": puts(True),
             "shm_put_nowait": puts(False),
-            "arena_write": arena_writes(False),
-            "arena_write_xxh3": arena_writes(True),
+            "arena_write": arena_writes(places, False),
+            "arena_write_xxh3": arena_writes(places, True),
         }
         rates = interleaved(measures, repeats)
         check = shm.get(keys[-1])
@@ -199,7 +199,7 @@ def bench_1mib(size: int, working_set: int, repeats: int, tmp: str) -> dict:
         for conn in (tcp, tcp_fast, shm, shm_noverify, shm_leased):
             conn.close()
         raw_sock.close()
-    del shm_cold, places
+    del shm_cold, places, measures
     arena.close()
     target.close()
     out = {f"{name}_gbps": round(statistics.median(r) / 1e9, 3) for name, r in rates.items()}

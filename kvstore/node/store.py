@@ -28,6 +28,7 @@ from kvstore.node.config import StoreConfig
 from kvstore.node.reservation import Reservation
 from kvstore.node.tiering import Tiering
 from kvstore.policy import make_policy
+from kvstore.sharded import ShardedDict
 from kvstore.tiers.dram import DramTier, Extent
 
 _checksum = xxhash.xxh3_64_intdigest
@@ -43,7 +44,7 @@ class BlockStore:
     def __init__(self, config: StoreConfig | None = None, **overrides):
         self.config = config = config or StoreConfig(**overrides)
         self._lock = threading.Lock()
-        self._table: dict[BlockKey, BlockMeta] = {}
+        self._table: ShardedDict = ShardedDict()  # BlockKey -> BlockMeta
         self._dram = DramTier(config.dram_capacity, granule=config.granule, prefault=config.prefault,
                               arena_name=config.arena_name, directory_slots=config.directory_slots)
         self._ssd = None

@@ -18,6 +18,7 @@ from heapq import heapify, heappop, heappush
 from typing import Any, Hashable
 
 from kvstore.policy.base import EvictionPolicy
+from kvstore.sharded import ShardedDict
 
 
 class PriorityPolicy(EvictionPolicy):
@@ -35,7 +36,7 @@ class PriorityPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self._heap: list[tuple] = []
-        self._live: dict[Hashable, tuple] = {}
+        self._live: ShardedDict = ShardedDict()  # key -> its current heap entry
         self._tick = 0
 
     @abstractmethod

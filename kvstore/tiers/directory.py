@@ -29,6 +29,7 @@ from kvstore_client.directory import (
     key_tag,
 )
 from kvstore_client.keys import BlockKey
+from kvstore.sharded import ShardedDict
 from kvstore.tiers.arena import unlink_quietly
 
 _EMPTY = SLOT_FIELDS.pack(bytes(16), 0, 0, 0)
@@ -62,7 +63,7 @@ class BlockDirectory:
         finally:
             os.close(fd)
         HEADER.pack_into(self._mmap, 0, MAGIC, VERSION, ways, self.buckets, 0, arena_size)
-        self._slot_of: dict[BlockKey, int] = {}
+        self._slot_of: ShardedDict = ShardedDict()  # BlockKey -> slot
         self._taken = bytearray(self.buckets * ways)  # 1 where a slot holds a block
         self.unpublished = 0  # blocks left out because their bucket was full
         self._unlink_at_exit = weakref.finalize(self, unlink_quietly, path)

@@ -19,6 +19,7 @@ from typing import Iterator
 
 from kvstore_client.errors import BufferTooSmall
 from kvstore_client.keys import BlockKey
+from kvstore.sharded import ShardedDict
 from kvstore.tiers.allocator import ExtentAllocator
 from kvstore.tiers.arena import SharedArena
 from kvstore.tiers.directory import BlockDirectory, default_slots
@@ -55,7 +56,7 @@ class DramTier:
             except BaseException:
                 self.arena.close()
                 raise
-        self._index: dict[BlockKey, Extent] = {}
+        self._index: ShardedDict = ShardedDict()  # BlockKey -> Extent
         self._lock = threading.Lock()
 
     # -- sizes ----------------------------------------------------------------

@@ -29,6 +29,7 @@ import xxhash
 
 from kvstore_client.errors import BufferTooSmall, CapacityError, ConfigError, InvalidKey, InvalidValue
 from kvstore_client.keys import BlockKey
+from kvstore.sharded import ShardedDict
 
 MAGIC = b"KVS\x01"  # last byte is the record format version
 HEADER = struct.Struct("<4sIQQ")  # magic, depth, checksum, payload size
@@ -108,7 +109,7 @@ class SsdTier:
             raise ConfigError(f"ssd tier capacity must be positive, got {capacity}")
         self.path = path
         self._capacity = capacity
-        self._index: dict[BlockKey, tuple[int, int]] = {}  # key -> (size, depth)
+        self._index: ShardedDict = ShardedDict()  # key -> (size, depth)
         self._used = 0
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -125,7 +126,7 @@ class SsdTier:
 
     def _load(self) -> None:
         """Rebuild the index from record headers; delete records that don't parse."""
-        index: dict[BlockKey, tuple[int, int]] = {}
+        index = ShardedDict()  # key -> (size, depth)
         bad: list[bytes] = []
         with self._env.begin(buffers=True) as txn:
             for raw_key, value in txn.cursor():
