@@ -298,6 +298,35 @@ def test_grants_store_named_blocks_and_refuse_mismatches(server):
     assert store.stats()["dram"]["used"] == used  # grants left open ended with the connection
 
 
+def test_reserve_with_regrant_makes_a_grant_that_a_store_names(server):
+    """RESERVE with REGRANT sets space aside bound to no key (the keys in its entries are
+    ignored): only a STORE publishes it, under the keys the STORE names."""
+    store = server.store
+    wait_until(lambda: no_connections(server))
+    used = store.stats()["dram"]["used"]
+    ignored, first, second = key("regrant-ignored"), key("regrant-1"), key("regrant-2")
+    values = [b"a" * (16 * KiB), b"b" * (32 * KiB)]
+    entries = b"".join(struct.pack("<BBIQ", 2, 16, 0, len(v)) + b"ns" + ignored[1] for v in values)
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.RESERVE, 1, 2, len(entries), flags=FLAG_REGRANT) + entries)
+        body = read_reply(sock)[4]
+        grant = U64.unpack_from(body)[0]
+        granted = list(RESERVED_ITEM.iter_unpack(body[U64.size :]))
+        assert grant and [status for status, _ in granted] == [Status.OK, Status.OK]
+        assert store.stats()["dram"]["used"] == used + 16 * KiB + 32 * KiB and not store.exists(ignored)
+        for (_, offset), v in zip(granted, values):
+            store._dram._mem[offset : offset + len(v)] = v
+        table = U64.pack(grant) + b"".join(put_entry(k, 0, len(v), xxhash.xxh3_64_intdigest(v))
+                                           for k, v in zip((first, second), values))
+        sock.sendall(pack_header(Op.STORE, 2, 2, len(table)) + table)
+        assert read_reply(sock)[4] == bytes([Status.OK, Status.OK])
+        assert [store.get(first), store.get(second)] == values and not store.exists(ignored)
+    for k in (first, second):
+        store.remove(k)
+    wait_until(lambda: no_connections(server))
+    assert store.stats()["dram"]["used"] == used
+
+
 def test_a_stored_block_that_does_not_match_its_checksum_is_never_served(server):
     """STORE takes the writer's checksum without reading the bytes: if they changed under the
     writer's copy, the first verifying reader refuses them, the node confirms (VERIFY) and
