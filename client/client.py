@@ -214,7 +214,9 @@ class Client:
                         damaged.pop(i, None)
                     elif candidates[i]:
                         retry.append(i)
-                self._locations.forget(keys[i] for i, v in zip(idx, got) if v is None)
+                missed = [keys[i] for i, v in zip(idx, got) if v is None]
+                if missed:
+                    self._locations.forget(missed)
             pending = retry
         if damaged:
             raise damaged[min(damaged)]
@@ -387,6 +389,8 @@ class Client:
 
     def _order(self, replicas: tuple) -> list[str]:
         """Replica preference: same host first, then DRAM before SSD."""
+        if len(replicas) == 1:  # the common case: nothing to rank
+            return [replicas[0][0]]
         here = machine_id()
 
         def rank(replica):

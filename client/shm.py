@@ -297,6 +297,8 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         if later:
             super()._read(keys, sorted(later), costs, target, errors, landed)
 
+    _read_single = _read  # one key takes the same lease path (the socket's GET is the fallback)
+
     def _copy_leased(self, keys: list, todo: list[int], costs: list[int], target, errors: dict):
         """LEASE keys[j] for j in todo and copy each leased block into ``target(j, size)``.
         Returns (indices stored but not in DRAM, indices whose copy is damaged)."""
