@@ -228,11 +228,11 @@ class DataPlaneConnection:
                 + struct.pack(f"<{len(ids)}Q", *ids))
 
     def flush(self) -> None:
-        """Report now, and wait for the node to confirm, what shared-memory reads left pending:
-        the leases they finished with (released) and the blocks they read by themselves
-        (counted as hits). Both otherwise go out with this connection's next request, and
-        leases expire after the node's lease TTL. A no-op when nothing is pending, and on
-        socket transports."""
+        """Read the replies of puts sent without waiting (``settle``); then report, and wait for
+        the node to confirm, what shared-memory reads left pending: the leases they finished
+        with (released) and the blocks they read by themselves (counted as hits). Both
+        otherwise go out with this connection's next request, and leases expire after the
+        node's lease TTL. A no-op when nothing is pending."""
         self.settle()
         if not (self._finished or self._touched) or self._dead is not None:
             return
