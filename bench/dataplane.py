@@ -90,6 +90,16 @@ RATIOS = [  # (measure, its baseline): each ratio the median over rounds of the 
 ]
 
 
+LABELS = {  # what the table calls each measure
+    "tcp_get": "TCP get_into", "raw_socket": "raw socket",
+    "shm_get": "shm get_into", "memcpy": "memcpy (anonymous)", "shm_memcpy": "memcpy from the arena's tmpfs",
+    "shm_get_noverify": "shm get_into, checksum off", "shm_get_leased": "shm get_into with a LEASE round trip",
+    "shm_get_batch16": "shm get_into_many (16 keys)", "memcpy_16dst": "memcpy into 16 buffers",
+    "shm_put": "shm put", "shm_put_nowait": "shm put, not waited for",
+    "arena_write": "copy into fresh arena space", "arena_write_xxh3": "the same + XXH3 of the source",
+}
+
+
 def interleaved(measures: dict, repeats: int) -> dict[str, list[float]]:
     """Rates (units/s) of ``repeats`` rounds of every measure, taken in turn so that
     a baseline and its measure see the same machine (this one is noisy)."""
@@ -252,25 +262,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _table(result: dict) -> str:
     s, b = result["single"], result["tcp_batch_64k"]
-    rows = [
-        ["TCP get_into", s["tcp_get_gbps"], "raw socket", s["raw_socket_gbps"], s["tcp_get_vs_raw_socket"]],
-        ["shm get_into", s["shm_get_gbps"], "memcpy (anonymous)", s["memcpy_gbps"], s["shm_get_vs_memcpy"]],
-        ["shm get_into", s["shm_get_gbps"], "memcpy from the arena's tmpfs", s["shm_memcpy_gbps"],
-         s["shm_get_vs_shm_memcpy"]],
-        ["shm get_into, checksum off", s["shm_get_noverify_gbps"], "memcpy (anonymous)", s["memcpy_gbps"],
-         s["shm_get_noverify_vs_memcpy"]],
-        ["shm get_into with a LEASE round trip", s["shm_get_leased_gbps"], "memcpy (anonymous)", s["memcpy_gbps"],
-         s["shm_get_leased_vs_memcpy"]],
-        ["shm get_into_many (16 keys)", s["shm_get_batch16_gbps"], "memcpy into 16 buffers", s["memcpy_16dst_gbps"],
-         s["shm_get_batch16_vs_memcpy_16dst"]],
-        ["shm put", s["shm_put_gbps"], "memcpy (anonymous)", s["memcpy_gbps"], s["shm_put_vs_memcpy"]],
-        ["shm put, not waited for", s["shm_put_nowait_gbps"], "memcpy (anonymous)", s["memcpy_gbps"],
-         s["shm_put_nowait_vs_memcpy"]],
-        ["copy into fresh arena space", s["arena_write_gbps"], "memcpy (anonymous)", s["memcpy_gbps"],
-         s["arena_write_vs_memcpy"]],
-        ["the same + XXH3 of the source", s["arena_write_xxh3_gbps"], "memcpy (anonymous)", s["memcpy_gbps"],
-         s["arena_write_xxh3_vs_memcpy"]],
-    ]
+    rows = [[LABELS[num], s[f"{num}_gbps"], LABELS[den], s[f"{den}_gbps"], s[f"{num}_vs_{den}"]]
+            for num, den in RATIOS]
     text = markdown_table([f"{result['size']} path", "GB/s", "baseline", "GB/s", "ratio"], rows)
     text += (f"\n\nTCP get_into_many of 64 KiB blocks, batches of {b['batch']}: "
              f"{b['blocks_per_s']:,} blocks/s ({b['gbps']} GB/s)")

@@ -35,6 +35,11 @@ def _mmap_fn():
     return _libc_mmap
 
 
+def _shared_flags(populate: bool) -> int:
+    """MAP_SHARED, with MAP_POPULATE (page tables filled now) when asked and known."""
+    return mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+
+
 def map_aligned(fd: int, size: int, populate: bool = False) -> tuple[mmap.mmap, int] | None:
     """(owner, offset): ``fd``'s first ``size`` bytes mapped shared and writable ``offset``
     bytes into ``owner``, at a 2 MiB-aligned address; ``populate`` fills the page tables
@@ -47,7 +52,7 @@ def map_aligned(fd: int, size: int, populate: bool = False) -> tuple[mmap.mmap, 
         base = ctypes.addressof(anchor)
         del anchor  # from_buffer holds an export; close() needs none left
         start = (base + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
-        flags = mmap.MAP_SHARED | _MAP_FIXED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        flags = _shared_flags(populate) | _MAP_FIXED
         placed = _mmap_fn()(start, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
     except (OSError, ValueError, AttributeError, TypeError):
         return None
@@ -62,8 +67,7 @@ def map_shared(fd: int, size: int, populate: bool = False) -> tuple[mmap.mmap, m
     where possible. Release ``view`` (and any view made from it), then close ``owner``."""
     aligned = map_aligned(fd, size, populate)
     if aligned is None:
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        owner = mmap.mmap(fd, size, flags=flags)
+        owner = mmap.mmap(fd, size, flags=_shared_flags(populate))
         return owner, memoryview(owner)
     owner, offset = aligned
     return owner, memoryview(owner)[offset : offset + size]

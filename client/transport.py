@@ -188,10 +188,9 @@ class DataPlaneConnection:
 
     def _die(self, reason: str) -> None:
         self._dead = reason
+        failure = TransportError(f"connection failed before the node answered the put ({reason})")
         while self._unacked:  # sent, never answered: the caller must not think them stored
-            _, keys, _ = self._unacked.popleft()
-            failure = TransportError(f"connection failed before the node answered the put ({reason})")
-            self.put_failures.extend((key, failure) for key in keys)
+            self.put_failures.extend((key, failure) for key in self._unacked.popleft()[1])
         try:
             self._sock.close()
         except OSError:

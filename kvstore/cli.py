@@ -272,8 +272,9 @@ def keys(master_address, namespace, limit, as_json) -> None:
 @click.option("--master", "master_address", default=None,
               help="Benchmark this pool (default: start one, master and node in a process of their own).")
 @click.option("--sizes", default="64KiB,1MiB,4MiB", show_default=True, help="Comma-separated value sizes.")
-@click.option("--ops", default="put,put_nowait,get,get_into,batch_put,batch_get,batch_get_into", show_default=True,
-              help="put_nowait: puts that do not wait for the node (put(wait=False)), timed until all are answered.")
+@click.option("--ops", default=None,
+              help="Comma-separated ops, e.g. put,get_into [default: all; an unknown name lists them]. "
+                   "put_nowait: puts that do not wait for the node (put(wait=False)), timed until all are answered.")
 @click.option("--transports", default="tcp,shm", show_default=True, help="Data paths: tcp, shm.")
 @click.option("--clients", default="1,4", show_default=True, help="Client process counts, e.g. 1,2,4.")
 @click.option("--bytes", "bytes_per_client", type=SIZE, default="64MiB", show_default=True,
@@ -293,7 +294,7 @@ def bench(master_address, sizes, ops, transports, clients, bytes_per_client, bat
     from kvstore.benchmark import OPS, TRANSPORTS, Settings, emit, parse_list, run
 
     try:
-        settings = Settings(sizes=[parse_size(s) for s in parse_list(sizes)], ops=parse_list(ops, OPS),
+        settings = Settings(sizes=[parse_size(s) for s in parse_list(sizes)], ops=parse_list(ops, OPS) if ops else list(OPS),
                             transports=parse_list(transports, TRANSPORTS),
                             clients=[int(c) for c in parse_list(clients)],
                             bytes_per_client=bytes_per_client, batch=batch, rounds=rounds, master=master_address,
