@@ -8,8 +8,8 @@ copies the block straight out of the arena without a round trip to the node
 seqlock reader does: the node makes a slot's sequence number odd while it
 changes the slot and moves it on before the block's space can be freed, so
 the same even sequence before and after the copy proves that the block was
-not replaced during it. With checksum verification on, the copy's XXH3-64
-must match too. A read that fails either check is retried with LEASE.
+not replaced during it. With checksum verification on, the XXH3-64 of the
+bytes copied must match too (``kvstore_client.checked_copy``). A read that fails either check is retried with LEASE.
 
 Layout (little-endian): a 64-byte header, then ``buckets * ways`` slots of 64 bytes.
 
@@ -42,6 +42,8 @@ import time
 
 import xxhash
 
+from kvstore_client.buffers import receivable_bytes
+from kvstore_client.checked_copy import copy_verified
 from kvstore_client.keys import BlockKey
 from kvstore_client.wire import key_entry
 
@@ -59,7 +61,6 @@ DEFAULT_WAYS = 8
 ONE_SIDED_READS = platform.machine().lower() in ("x86_64", "amd64")
 
 _tag = xxhash.xxh3_128_digest
-_checksum = xxhash.xxh3_64_intdigest
 _monotonic_ns = time.monotonic_ns
 
 
@@ -152,26 +153,26 @@ class OneSidedReads:
             return None
         return found
 
-    def _valid(self, found: tuple, copy) -> bool:
-        return self.directory.unchanged(found[0], found[1]) and not (self.verify and _checksum(copy) != found[4])
+    def _copied(self, found: tuple, out: memoryview) -> bool:
+        """Copy the block ``found`` into ``out`` (its size): whether the copy is valid."""
+        copied = copy_verified(out, self._arena[found[2] : found[2] + found[3]], found[4], self.verify)
+        return copied and self.directory.unchanged(found[0], found[1])
 
     def read_into(self, key: BlockKey, view: memoryview) -> int | None:
         """Copy the block into ``view``: its size, or None."""
         found = self._find(key)
         if found is None or found[3] > len(view):
             return None
-        offset, size = found[2], found[3]
-        out = view if size == len(view) else view[:size]
-        out[:] = self._arena[offset : offset + size]
-        return size if self._valid(found, out) else None
+        size = found[3]
+        return size if self._copied(found, view if size == len(view) else view[:size]) else None
 
     def read(self, key: BlockKey) -> bytes | None:
         """The block's bytes, or None."""
         found = self._find(key)
         if found is None:
             return None
-        data = bytes(self._arena[found[2] : found[2] + found[3]])
-        return data if self._valid(found, data) else None
+        data, out = receivable_bytes(found[3])
+        return data if self._copied(found, out) else None
 
     def close(self) -> None:
         self._arena = memoryview(b"")

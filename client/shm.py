@@ -12,15 +12,16 @@ or ``TOUCH_DELAY`` seconds) so they count as hits for eviction.
 
 Reads otherwise (a block not in the directory, a copy that failed
 validation): LEASE (the node pins the blocks in place and says where they are in
-its arena), copy into the caller's buffer, verify the XXH3-64. The lease is
-not released by a frame of its own: its id rides along with the
-connection's next request (a RELEASE frame sent in the same ``sendall``),
-or goes out at once with ``flush()``; the node expires leases older than its
-lease TTL, so an idle client pins nothing for long. A copy that raced such an
-expiry (and a writer reusing the space) fails its checksum: the block is
-leased and copied once more, then, if it is still damaged, read over the
-socket. With ``verify=False`` no checksum is computed, and a copy that ended
-later than the lease TTL after its LEASE was sent is redone the same way.
+its arena), copy into the caller's buffer, verify the XXH3-64 (computed as
+the bytes are copied: ``kvstore_client.checked_copy``). The lease is not
+released by a frame of its own: its id rides along with the connection's
+next request (a RELEASE frame sent in the same ``sendall``), or goes out at
+once with ``flush()``; the node expires leases older than its lease TTL, so
+an idle client pins nothing for long. A copy that ended later than the
+lease TTL after its LEASE was sent may have raced such an expiry (and a
+writer reusing the space), and one that fails its checksum is damaged: either
+way the block is leased and copied once more, then, if that fails too, read
+over the socket. With ``verify=False`` no checksum is computed.
 Blocks stored only on SSD that the node cannot bring into DRAM are read with
 GET over the socket.
 
@@ -45,6 +46,7 @@ import xxhash
 
 from kvstore_client.arenamap import map_arena, unmap_arena
 from kvstore_client.buffers import byte_view
+from kvstore_client.checked_copy import copy_verified
 from kvstore_client.directory import ONE_SIDED_READS, DirectoryReader, OneSidedReads
 from kvstore_client.errors import (
     BufferTooSmall,
@@ -250,8 +252,8 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
             if offset + size > len(self._mem):
                 raise ProtocolError(f"lease of {size} bytes at {offset} lies outside the arena")
             out = view if size == len(view) else view[:size]
-            out[:] = self._mem[offset : offset + size]
-            if _checksum(out) == checksum if self.verify else _monotonic() - sent < (self.lease_ttl or _NEVER):
+            intact = copy_verified(out, self._mem[offset : offset + size], checksum, self.verify)
+            if intact and _monotonic() - sent < (self.lease_ttl or _NEVER):  # and still leased when copied
                 return size
         finally:
             self._finished.append(lease_id)  # released with our next request
@@ -319,8 +321,7 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
                             out = target(j, size)
                             if out is None:
                                 continue
-                            out[:] = mem[offset : offset + size]
-                            if verify and _checksum(out) != checksum:
+                            if not copy_verified(out, mem[offset : offset + size], checksum, verify):
                                 damaged.append(j)
                         elif status == _NOT_IN_DRAM:
                             later.append(j)
@@ -331,8 +332,9 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
                 finally:
                     if lease_id:
                         self._finished.append(lease_id)  # released with our next request
-                if not verify and ttl is not None and _monotonic() - sent >= ttl:  # the lease may have lapsed
-                    damaged += [j for j, item in zip(chunk, items) if item[0] == _OK and j not in errors]
+                if ttl is not None and _monotonic() - sent >= ttl:  # the lease may have lapsed
+                    seen = set(damaged)
+                    damaged += [j for j, item in zip(chunk, items) if item[0] == _OK and j not in errors and j not in seen]
             todo = deferred
         return later, damaged
 

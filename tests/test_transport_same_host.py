@@ -24,6 +24,7 @@ from kvstore.node.store import BlockStore
 from kvstore.tiers.directory import BlockDirectory
 from kvstore.transport.server import DIRECTORY_LIFETIME, DataPlaneServer
 from kvstore_client import Client
+from kvstore_client.checked_copy import CHUNK
 from kvstore_client.directory import ONE_SIDED_READS, DirectoryReader, bucket_of, key_tag
 from kvstore_client.transport import ShmConnection
 from tests.conftest import value_for
@@ -197,6 +198,31 @@ def test_a_copy_of_reused_space_is_never_returned(node, verify, call):
             assert conn.get(k) == uniform(200)
         assert conn.reused == 1  # the race really happened
         assert conn.get(k) == uniform(200)  # and the next read is one-sided again
+
+
+@pytest.mark.parametrize("one_sided", [True, False], ids=["one-sided", "leased"])
+def test_a_block_damaged_past_its_first_chunk_is_never_returned(tmp_path, one_sided):
+    """Reads of a block bigger than one checksummed chunk (``checked_copy.CHUNK``) whose
+    arena bytes changed behind the checksum, at its very end."""
+    size = 2 * CHUNK + 4097
+    store = BlockStore(StoreConfig(dram_capacity=4 * size, max_block_bytes=size, background_eviction=False))
+    server = DataPlaneServer(store, unix_path=str(tmp_path / "dp.sock"), lease_ttl=None).start()
+    try:
+        k, good = key("damaged-late"), os.urandom(size)
+        store.put(k, good)
+        extent = store._dram.current(k)
+        store._dram._mem[extent.offset + size - 1] ^= 0x01
+        with ShmConnection(server.unix_path, one_sided=one_sided) as conn:
+            buffer = bytearray(size)
+            assert conn.read_direct([k], [buffer]) == [None]  # turned down, whichever way it was asked
+            assert conn.get_into(k, buffer) is None  # leased twice, then the node's GET finds it damaged...
+            assert not store.exists(k)  # ...and drops it: a miss, never wrong bytes
+            store.put(k, good)
+            assert conn.get_into(k, buffer) == size and buffer == good
+            assert conn.get(k) == good
+    finally:
+        server.stop()
+        store.close()
 
 
 def test_a_killed_node_stops_serving_one_sided_reads(tmp_path):
