@@ -52,3 +52,10 @@ def receivable_bytes(size: int) -> tuple[bytes, memoryview]:
     view must be filled before the object is handed out, and never used after."""
     block = _new_bytes(None, size)
     return block, memoryview((ctypes.c_ubyte * size).from_address(id(block) + _BYTES_DATA)).cast("B")
+
+
+def newly_allocated(view: memoryview) -> bool:
+    """Whether ``view`` is one that ``receivable_bytes`` made: memory just allocated, whose
+    pages the kernel may still have to fault in as the bytes land."""
+    return isinstance(view.obj, ctypes.Array)
+

@@ -7,9 +7,9 @@ follows reads from cache. Copying first and hashing the copy afterwards
 reads every byte twice. Per block here (interleaved A/B of the two, copies
 out of a cold arena into one buffer): 256 KiB 6.5 -> 13.8 GB/s, 1 MiB
 13.2 -> 14.9, 4 MiB 13.1 -> 15.1; into 16 buffers in turn, 1 MiB 11.4 ->
-10.5, the other cases within 6% either way. The 256 KiB gain is glibc's: copies below 1 MiB use
-``rep movsb``, which on this AMD CPU runs at half speed from memory but at
-full speed from cache.
+10.5, the other cases within 6% either way. The 256 KiB gain is glibc's:
+copies below 1 MiB use ``rep movsb``, which on this AMD CPU runs at half
+speed from memory but at full speed from cache.
 
 What is checked are the arena's bytes a few microseconds before they are
 copied. A change in between made the way the node changes blocks (freeing the

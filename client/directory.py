@@ -9,7 +9,8 @@ seqlock reader does: the node makes a slot's sequence number odd while it
 changes the slot and moves it on before the block's space can be freed, so
 the same even sequence before and after the copy proves that the block was
 not replaced during it. With checksum verification on, the XXH3-64 of the
-bytes copied must match too (``kvstore_client.checked_copy``). A read that fails either check is retried with LEASE.
+bytes copied must match too (``kvstore_client.checked_copy``). A read that
+fails either check is retried with LEASE.
 
 Layout (little-endian): a 64-byte header, then ``buckets * ways`` slots of 64 bytes.
 

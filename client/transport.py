@@ -40,7 +40,7 @@ from collections import deque
 
 import xxhash
 
-from kvstore_client.buffers import byte_view, receivable_bytes
+from kvstore_client.buffers import byte_view, newly_allocated, receivable_bytes
 from kvstore_client.errors import (
     BufferTooSmall,
     ChecksumMismatch,
@@ -57,6 +57,7 @@ from kvstore_client.wire import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
+    PIECEWISE_FROM,
     PUT_ENTRY,
     U64,
     VERSION,
@@ -73,6 +74,7 @@ from kvstore_client.wire import (
 )
 
 _checksum = xxhash.xxh3_64_intdigest
+_Hasher = xxhash.xxh3_64
 _pack_header = HEADER.pack
 _pack_release1 = struct.Struct(HEADER.format + "Q").pack  # a RELEASE frame of one lease id
 WINDOW = 2  # frames in flight: the next is sent while the node answers the previous
@@ -434,19 +436,43 @@ class DataPlaneConnection:
                         deferred.append(j)
                     elif status != Status.NOT_FOUND:
                         errors[j] = error_for(status)
-                self._reader.readinto_many([out for _, out, _ in blocks])
+                self._receive_blocks(blocks, errors)
                 if deferred and deferred[0] == chunk[0]:  # the node must always serve the first item
                     raise ProtocolError("GET reply deferred the first item of its request")
-                if self.verify:
-                    for j, out, checksum in blocks:
-                        if j not in errors and _checksum(out) != checksum:
-                            errors[j] = ChecksumMismatch(f"block {j} arrived damaged (checksum mismatch)")
                 if landed is not None:
                     landed()
 
             chunks = _split(todo, costs, budget, KEYS_PER_FRAME)
             self._pipeline(chunks, lambda chunk: self._keys_request(Op.GET, keys, chunk), receive)
             todo = deferred
+
+    def _receive_blocks(self, blocks: list[tuple], errors: dict) -> None:
+        """Receive a GET reply's blocks, (j, where its bytes go, checksum) in reply order, and
+        verify them. Blocks of ``PIECEWISE_FROM`` bytes or more go into the caller's buffers a
+        piece at a time, hashed as they land (``FrameReader.readinto``); the others, and new
+        bytes objects, in one scatter read per run. (Into new bytes objects, whose pages fault
+        in as they fill, pieces were 15-20% slower for batches of 1 and 4 MiB blocks here.)"""
+        reader, verify = self._reader, self.verify
+        digests: dict[int, int] = {}
+        small: list[memoryview] = []
+        for j, out, _ in blocks:
+            if len(out) < PIECEWISE_FROM or newly_allocated(out):
+                small.append(out)
+                continue
+            if small:
+                reader.readinto_many(small)
+                small = []
+            hasher = _Hasher() if verify else None
+            reader.readinto(out, hasher)
+            if hasher is not None:
+                digests[j] = hasher.intdigest()
+        if small:
+            reader.readinto_many(small)
+        if verify:
+            for j, out, checksum in blocks:
+                digest = digests[j] if j in digests else _checksum(out)
+                if j not in errors and digest != checksum:
+                    errors[j] = ChecksumMismatch(f"block {j} arrived damaged (checksum mismatch)")
 
     def _read_single(self, keys: list, todo: list[int], costs: list[int], target, errors: dict,
                      landed=None) -> None:
@@ -468,8 +494,9 @@ class DataPlaneConnection:
             if out is None:
                 self._reader.skip(size)
                 return
-            self._reader.readinto(out)
-        if self.verify and 0 not in errors and _checksum(out) != checksum:
+            hasher = _Hasher() if self.verify else None
+            self._reader.readinto(out, hasher)
+        if hasher is not None and 0 not in errors and hasher.intdigest() != checksum:
             errors[0] = ChecksumMismatch("block 0 arrived damaged (checksum mismatch)")
         if landed is not None:
             landed()

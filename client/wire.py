@@ -221,6 +221,11 @@ def parse_table(body, count: int, fixed: struct.Struct = KEY_HEAD) -> list[tuple
 # -- streams ----------------------------------------------------------------------------
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _FILL = 16384  # bytes asked for when refilling: small, so little payload is copied through the buffer
+# A payload of PIECEWISE_FROM bytes or more is received RECV_PIECE bytes per recv, not in one
+# MSG_WAITALL call for all of it: 12-17% faster for 1 MiB and 15-23% for 4 MiB over loopback
+# TCP here (interleaved A/B through a node, with and without checksums), 7% slower for 512 KiB.
+PIECEWISE_FROM = 1 << 20
+RECV_PIECE = 64 << 10
 
 
 class FrameReader:
@@ -273,16 +278,24 @@ class FrameReader:
         self._start, self._end = n, end
         return buf[:n]
 
-    def readinto(self, view: memoryview) -> None:
+    def readinto(self, view: memoryview, hasher=None) -> None:
+        """Fill ``view``. ``hasher`` (an xxhash object), when given, is updated with the bytes
+        as they land, a piece at a time while each is still in cache."""
         n = len(view)
         have = min(self._end - self._start, n)
         if have:
             view[:have] = self._buf[self._start : self._start + have]
             self._start += have
+            if hasher is not None:
+                hasher.update(view[:have])
+        piece = RECV_PIECE if n >= PIECEWISE_FROM else n
         while have < n:
-            got = self._recv(view[have:], n - have, socket.MSG_WAITALL)
+            want = min(piece, n - have)
+            got = self._recv(view[have : have + want], want, socket.MSG_WAITALL)
             if not got:
                 raise TransportError("connection closed by peer mid-frame")
+            if hasher is not None:
+                hasher.update(view[have : have + got])
             have += got
 
     def readinto_many(self, views: list) -> None:

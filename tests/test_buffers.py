@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore_client.buffers import byte_view, receivable_bytes
+from kvstore_client.buffers import byte_view, newly_allocated, receivable_bytes
 from kvstore_client.errors import InvalidValue
 
 
@@ -31,3 +31,11 @@ def test_receivable_bytes_are_filled_through_their_view():
         del view
         assert block == content and hash(block) == hash(content)  # an ordinary bytes object
         assert block[: min(size, 5)] == content[:5]
+
+
+def test_only_receivable_bytes_count_as_newly_allocated():
+    _, view = receivable_bytes(4096)
+    assert newly_allocated(view)
+    assert newly_allocated(view[100:200])
+    assert not newly_allocated(byte_view(bytearray(4096), writable=True))
+    assert not newly_allocated(byte_view(np.zeros(512, dtype=np.uint64), writable=True))

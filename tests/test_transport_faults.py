@@ -8,6 +8,7 @@ lease, reservation or DRAM behind where that applies.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import threading
@@ -31,8 +32,10 @@ from kvstore_client.wire import (
     HEADER,
     LEASE_ITEM,
     MAX_ITEMS,
+    PIECEWISE_FROM,
     RESERVED_ITEM,
     U64,
+    FrameReader,
     Op,
     Status,
     key_entry,
@@ -515,9 +518,28 @@ class FakeNode:
             sock.recv(1)
 
 
-def test_client_rejects_damaged_bytes_and_broken_replies():
-    data = b"damaged?" * 100
-    table = GET_ITEM.pack(Status.OK, len(data), xxhash.xxh3_64_intdigest(data) ^ 1)
+@pytest.mark.parametrize("size", [1000, PIECEWISE_FROM, 3 * PIECEWISE_FROM + 77])
+def test_a_frame_reader_hashes_every_byte_it_receives(size):
+    """Part of the payload arrives with the header (buffered), the rest is received, in
+    pieces for large ones: the hash covers both, in order."""
+    payload = os.urandom(size)
+    left, right = socket.socketpair()
+    with left, right:
+        sender = threading.Thread(target=left.sendall, args=(b"H" * 16 + payload,))
+        sender.start()
+        reader = FrameReader(right)
+        assert bytes(reader.read(16)) == b"H" * 16
+        out, hasher = bytearray(size), xxhash.xxh3_64()
+        reader.readinto(memoryview(out), hasher)
+        sender.join()
+    assert out == payload and hasher.intdigest() == xxhash.xxh3_64_intdigest(payload)
+
+
+@pytest.mark.parametrize("size", [800, PIECEWISE_FROM + 4097], ids=["one-recv", "received-in-pieces"])
+def test_client_rejects_damaged_bytes_and_broken_replies(size):
+    good = os.urandom(size)
+    data = good[:-1] + bytes([good[-1] ^ 1])  # the last byte changed on the way
+    table = GET_ITEM.pack(Status.OK, len(data), xxhash.xxh3_64_intdigest(good))
     damaged = lambda op, rid: pack_header(op, rid, 1, len(table) + len(data), flags=1) + table + data  # noqa: E731
     seen = []
     node = FakeNode([
@@ -529,7 +551,7 @@ def test_client_rejects_damaged_bytes_and_broken_replies():
     ])
     conn = TcpConnection(node.address)
     with pytest.raises(ChecksumMismatch):
-        conn.get_into(key("k"), bytearray(1000))
+        conn.get_into(key("k"), bytearray(size + 200))
     assert seen == [Op.VERIFY]
     conn.ping()  # a damaged block does not break the stream
     with pytest.raises(ProtocolError):
