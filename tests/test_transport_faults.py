@@ -411,6 +411,20 @@ def test_refused_items_are_drained_and_the_stream_stays_in_sync(server):
     assert server.store.get(ok) == b"fine" and not server.store.exists(big) and not server.store.exists(key("damaged"))
 
 
+def test_a_large_put_is_checked_to_its_last_byte(server):
+    """A payload received in pieces (PIECEWISE_FROM bytes or more) and hashed as they land:
+    one whose last byte differs from what the checksum was made of is not stored."""
+    good = os.urandom(MAX_BLOCK)
+    damaged = good[:-1] + bytes([good[-1] ^ 1])
+    keys = [key("large-good"), key("large-damaged")]
+    table = b"".join(put_entry(k, 0, MAX_BLOCK, xxhash.xxh3_64_intdigest(good)) for k in keys)
+    with raw(server) as sock:
+        sock.sendall(pack_header(Op.PUT, 1, 2, len(table) + 2 * MAX_BLOCK) + table + good + damaged)
+        assert read_reply(sock) == (Op.PUT, Status.OK, 1, 2, bytes([Status.OK, Status.CHECKSUM_MISMATCH]))
+    assert server.store.get(keys[0]) == good and not server.store.exists(keys[1])
+    server.store.remove(keys[0])
+
+
 def test_checksums_after_the_payloads_publish_only_what_they_match(server):
     """PUT with CHECKSUMS_LAST: nothing is visible until the trailing checksums arrive; a
     block whose checksum disagrees is not stored, the others are."""

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 OK, NOT_FOUND = Status.OK, Status.NOT_FOUND
 _checksum = xxhash.xxh3_64_intdigest
+_Hasher = xxhash.xxh3_64
 
 
 def _bad(message: str) -> ProtocolError:
@@ -221,8 +222,9 @@ def _read_put_table(conn: "Connection", frame: "Frame", trailer: int = 0) -> lis
 
 
 def _receive_block(conn: "Connection", key, depth: int, size: int):
-    """Receive one PUT payload straight into a reservation (returned, still to be committed);
-    a refused item's payload is drained and its status returned instead."""
+    """Receive one PUT payload straight into a reservation, hashing it as it lands (still in
+    cache): (the reservation, still to be committed, and the XXH3-64 of its bytes). A refused
+    item's payload is drained and its status returned instead."""
     if type(key) is int:
         conn.reader.skip(size)
         return key
@@ -231,17 +233,24 @@ def _receive_block(conn: "Connection", key, depth: int, size: int):
     except KVStoreError as exc:
         conn.reader.skip(size)
         return status_of(exc)
+    hasher = _Hasher()
     try:
-        conn.reader.readinto(res.buffer)
+        conn.reader.readinto(res.buffer, hasher)
     except BaseException:
         res.revoke()  # truncated frame or dead client: nothing half-written becomes visible
         raise
-    return res
+    return res, hasher.intdigest()
 
 
-def _committed(commit, checksum: int) -> int:
+def _committed(received: tuple, checksum: int) -> int:
+    """Publish a received block whose bytes hash to the writer's ``checksum`` (without reading
+    them again); revoke it when they do not (CHECKSUM_MISMATCH)."""
+    res, digest = received
+    if digest != checksum:
+        res.revoke()
+        return Status.CHECKSUM_MISMATCH
     try:
-        commit(checksum)
+        res.commit_written(checksum)
     except KVStoreError as exc:
         return status_of(exc)
     return OK
@@ -255,21 +264,20 @@ def op_put(conn: "Connection", frame: "Frame") -> None:
     out = bytearray(frame.count)
     for i, (key, depth, size, checksum) in enumerate(_read_put_table(conn, frame)):
         got = _receive_block(conn, key, depth, size)
-        out[i] = got if isinstance(got, int) else _committed(got.commit, checksum)
+        out[i] = got if isinstance(got, int) else _committed(got, checksum)
     conn.reply(frame, frame.count, out)
 
 
 def _put_checksums_last(conn: "Connection", frame: "Frame") -> None:
     """PUT whose writer sends each checksum after the payloads, hashing its bytes while they
-    travel. Each payload is hashed here as it lands (still in cache), held unpublished until
-    the checksums arrive, then committed if they agree (else CHECKSUM_MISMATCH) or all revoked
-    if the frame is cut off."""
+    travel. Each payload is hashed here as it lands, held unpublished until the checksums
+    arrive, then committed if they agree (else CHECKSUM_MISMATCH) or all revoked if the frame
+    is cut off."""
     trailer = U64.size * frame.count
     held: list = []
     try:
         for key, depth, size, _ in _read_put_table(conn, frame, trailer):
-            got = _receive_block(conn, key, depth, size)
-            held.append(got if isinstance(got, int) else (got, _checksum(got.buffer)))
+            held.append(_receive_block(conn, key, depth, size))
         expected = struct.unpack(f"<{frame.count}Q", conn.reader.read(trailer))
     except BaseException:
         for item in held:
@@ -278,13 +286,7 @@ def _put_checksums_last(conn: "Connection", frame: "Frame") -> None:
         raise
     out = bytearray(frame.count)
     for i, (item, checksum) in enumerate(zip(held, expected)):
-        if isinstance(item, int):
-            out[i] = item
-        elif item[1] != checksum:
-            item[0].revoke()
-            out[i] = Status.CHECKSUM_MISMATCH
-        else:
-            out[i] = _committed(item[0].commit_written, checksum)  # just hashed: no second read
+        out[i] = item if isinstance(item, int) else _committed(item, checksum)
     conn.reply(frame, frame.count, out)
 
 
