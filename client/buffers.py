@@ -58,4 +58,3 @@ def newly_allocated(view: memoryview) -> bool:
     """Whether ``view`` is one that ``receivable_bytes`` made: memory just allocated, whose
     pages the kernel may still have to fault in as the bytes land."""
     return isinstance(view.obj, ctypes.Array)
-

@@ -12,8 +12,9 @@ or ``TOUCH_DELAY`` seconds) so they count as hits for eviction.
 
 Reads otherwise (a block not in the directory, a copy that failed
 validation): LEASE (the node pins the blocks in place and says where they are in
-its arena), copy into the caller's buffer, verify the XXH3-64 (computed as
-the bytes are copied: ``kvstore_client.checked_copy``). The lease is not
+its arena), copy into the caller's buffer, verify the XXH3-64 (each MiB
+hashed in the arena just before it is copied: ``kvstore_client.checked_copy``).
+The lease is not
 released by a frame of its own: its id rides along with the connection's
 next request (a RELEASE frame sent in the same ``sendall``), or goes out at
 once with ``flush()``; the node expires leases older than its lease TTL, so
