@@ -515,8 +515,8 @@ def test_shm_refuses_a_node_on_another_host():
 class FakeNode:
     """A scripted node: answers INFO properly, then each later request with the next canned reply."""
 
-    def __init__(self, replies: list):
-        self.replies = replies
+    def __init__(self, replies: list, hang_up: bool = False):
+        self.replies, self.hang_up = replies, hang_up  # hang_up: close right after the last reply
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
         threading.Thread(target=self._serve, daemon=True).start()
@@ -529,7 +529,8 @@ class FakeNode:
                 _, _, op, _, _, rid, _, body_len = HEADER.unpack(recv_exact(sock, HEADER.size))
                 recv_exact(sock, body_len)
                 sock.sendall(reply(op, rid))
-            sock.recv(1)
+            if not self.hang_up:
+                sock.recv(1)
 
 
 @pytest.mark.parametrize("size", [1000, PIECEWISE_FROM, 3 * PIECEWISE_FROM + 77])
@@ -573,6 +574,18 @@ def test_client_rejects_damaged_bytes_and_broken_replies(size):
     assert conn.closed
     with pytest.raises(TransportError):
         conn.ping()
+
+
+@pytest.mark.parametrize("size", [64 * KiB, 3 * PIECEWISE_FROM], ids=["one-recv", "received-in-pieces"])
+def test_a_node_that_hangs_up_mid_block_is_a_transport_error(size):
+    payload = os.urandom(size)
+    table = GET_ITEM.pack(Status.OK, size, xxhash.xxh3_64_intdigest(payload))
+    node = FakeNode([lambda op, rid: pack_header(op, rid, 1, len(table) + size, flags=1) + table
+                     + payload[: size // 2]], hang_up=True)
+    conn = TcpConnection(node.address)
+    with pytest.raises(TransportError, match="mid-frame"):
+        conn.get_into(key("k"), bytearray(size))
+    assert conn.closed
 
 
 def test_client_maps_error_frames():
