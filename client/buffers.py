@@ -55,6 +55,7 @@ def receivable_bytes(size: int) -> tuple[bytes, memoryview]:
 
 
 def newly_allocated(view: memoryview) -> bool:
-    """Whether ``view`` is one that ``receivable_bytes`` made: memory just allocated, whose
-    pages the kernel may still have to fault in as the bytes land."""
+    """Whether ``view`` lies over a ctypes array, as the views ``receivable_bytes`` makes do:
+    memory just allocated, whose pages the kernel may still have to fault in as the bytes
+    land. (A caller's own ctypes array counts too; only how its bytes are received differs.)"""
     return isinstance(view.obj, ctypes.Array)

@@ -10,20 +10,19 @@ when verifying): no round trip at all. Such reads are reported to the node in
 batches (TOUCH frames, with the next request or every ``TOUCH_BATCH`` reads
 or ``TOUCH_DELAY`` seconds) so they count as hits for eviction.
 
-Reads otherwise (a block not in the directory, a copy that failed
-validation): LEASE (the node pins the blocks in place and says where they are in
-its arena), copy into the caller's buffer, verify the XXH3-64 (each MiB
-hashed in the arena just before it is copied: ``kvstore_client.checked_copy``).
-The lease is not released by a frame of its own: its id rides along with the
-connection's next request (a RELEASE frame sent in the same ``sendall``), or
-goes out at once with ``flush()``; the node expires leases older than its
-lease TTL, so an idle client pins nothing for long. A copy that ended later than the
-lease TTL after its LEASE was sent may have raced such an expiry (and a
-writer reusing the space), and one that fails its checksum is damaged: either
-way the block is leased and copied once more, then, if that fails too, read
-over the socket. With ``verify=False`` no checksum is computed.
-Blocks stored only on SSD that the node cannot bring into DRAM are read with
-GET over the socket.
+Reads otherwise (a block not in the directory, a copy that failed validation):
+LEASE (the node pins the blocks in place and says where they are in its arena),
+copy into the caller's buffer, verify the XXH3-64 (each MiB hashed in the arena
+just before it is copied: ``kvstore_client.checked_copy``). The lease is not
+released by a frame of its own: its id rides along with the connection's next
+request (a RELEASE frame sent in the same ``sendall``), or goes out at once with
+``flush()``; the node expires leases older than its lease TTL, so an idle client
+pins nothing for long. A copy that ended later than the lease TTL after its
+LEASE was sent may have raced such an expiry (and a writer reusing the space),
+and one that fails its checksum is damaged: either way the block is leased and
+copied once more, then, if that fails too, read over the socket. With
+``verify=False`` no checksum is computed. Blocks stored only on SSD that the
+node cannot bring into DRAM are read with GET over the socket.
 
 Writes go through arena space the node reserved (``kvstore_client.shm_writes``):
 a run of same-sized puts takes one round trip each.
