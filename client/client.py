@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -33,6 +32,7 @@ from kvstore_client.hostid import machine_id
 from kvstore_client.keys import BlockKey, check_key
 from kvstore_client.locations import LocationCache
 from kvstore_client.nodes import KnownNodes
+from kvstore_client.placements import Placements
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.scheduling import Placement, SchedulingCalls
@@ -63,7 +63,8 @@ class Client:
     ``placement_bytes``: one placement from the master serves this client's
     puts to a namespace for that many seconds or bytes, whichever ends first
     (the master counts those bytes against the chosen nodes, so concurrent
-    writers spread over the pool). ``verify``: check block checksums
+    writers spread over the pool); a fast writer's grow to what it puts in
+    ``placement_ttl``, up to 16 times (``kvstore_client.placements``). ``verify``: check block checksums
     on every read (cheap: XXH3-64). ``data_path``: force "tcp", "unix" or
     "shm" (default None: shared memory on this host when ``prefer_shm``, else
     the Unix socket, TCP to other hosts).
@@ -81,12 +82,13 @@ class Client:
         self._channel = grpc.insecure_channel(master, options=GRPC_OPTIONS)
         self._stub = pb_grpc.MasterStub(self._channel)
         self._locations = LocationCache(location_ttl)
-        self._placement_ttl = placement_ttl
-        self._placement_bytes = placement_bytes
-        self._placements: dict[str, tuple[float, int, list[pb.NodeInfo]]] = {}  # (until, bytes left, nodes)
-        self._next_placements: dict[str, tuple[float, grpc.Future]] = {}  # (asked at, reply to come)
         self._nodes = KnownNodes()
-        self._lock = threading.Lock()  # guards _placements, _next_placements and _all_connections
+        self._placements = Placements(
+            lambda namespace, nbytes: self._call(self._stub.Place, self._place_request(namespace, nbytes)),
+            lambda namespace, nbytes: self._stub.Place.future(self._place_request(namespace, nbytes),
+                                                              timeout=self.timeout),
+            self._nodes.update, placement_ttl, placement_bytes)
+        self._lock = threading.Lock()  # guards _all_connections
         self._local = threading.local()
         self._all_connections: list = []
         self.scheduling = SchedulingCalls(self._channel, self._call)
@@ -116,7 +118,7 @@ class Client:
         depths = list(depths) if depths is not None else [0] * len(keys)
         views = [byte_view(v) for v in values]
         for namespace, idx in _group_by_namespace(keys).items():
-            nodes = self._placement(namespace, sum(len(views[i]) for i in idx))
+            nodes = self._placements.nodes_for(namespace, sum(len(views[i]) for i in idx))
             items = [(keys[i], views[i], depths[i]) for i in idx]
             primary, *replicas = nodes
             refused = [e for e in self._on_node(primary, lambda c: c.put_many(items, wait)) if e is not None]
@@ -399,39 +401,6 @@ class Client:
 
         return [node_id for node_id, _ in sorted(replicas, key=rank)]
 
-    def _placement(self, namespace: str, nbytes: int) -> list[pb.NodeInfo]:
-        """Nodes for a put of ``nbytes``: the cached placement while it has time and bytes left,
-        else a new one for ``placement_bytes`` (or ``nbytes`` if more) of puts. The next one
-        is asked for in the background once half of the current one is used up (a master
-        round trip is 0.5-1.5 ms: a put of 1 MiB waiting for it would take 3-4 times longer)."""
-        now = time.monotonic()
-        with self._lock:
-            cached = self._placements.get(namespace)
-            if cached is not None and cached[0] > now and cached[1] >= nbytes:
-                self._placements[namespace] = (cached[0], cached[1] - nbytes, cached[2])
-                if namespace not in self._next_placements and (
-                        cached[1] - nbytes < self._placement_bytes // 2 or cached[0] - now < self._placement_ttl / 2):
-                    self._next_placements[namespace] = (now, self._stub.Place.future(
-                        self._place_request(namespace, self._placement_bytes), timeout=self.timeout))
-                return cached[2]
-            asked_at, ahead = self._next_placements.pop(namespace, (0.0, None))
-        budget = max(nbytes, self._placement_bytes)
-        reply = None
-        if ahead is not None and budget == self._placement_bytes and now - asked_at < self._placement_ttl:
-            try:
-                reply = ahead.result()
-            except grpc.RpcError:
-                pass  # asked again below, which raises the typed error
-        if reply is None:
-            reply = self._call(self._stub.Place, self._place_request(namespace, budget))
-        if not reply.nodes:
-            raise ServiceUnavailable("the master knows no live storage node to put blocks on")
-        nodes = list(reply.nodes)
-        self._nodes.update(nodes)
-        with self._lock:
-            self._placements[namespace] = (now + self._placement_ttl, budget - nbytes, nodes)
-        return nodes
-
     def _place_request(self, namespace: str, nbytes: int) -> pb.PlaceRequest:
         return pb.PlaceRequest(namespace=namespace, bytes=nbytes, replicas=self.replicas, machine_id=machine_id())
 
@@ -453,9 +422,7 @@ class Client:
             except OSError:
                 pass
             self._take_put_failures(node_id, conn)
-        with self._lock:
-            self._placements.clear()
-            self._next_placements.clear()  # may name the node just dropped
+        self._placements.clear()  # may name the node just dropped
 
     def close(self) -> None:
         """Close every data-plane connection and the master channel."""

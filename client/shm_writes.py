@@ -10,8 +10,9 @@ and every reader verifies them. Both replies carry a grant of the same sizes for
 grant is DRAM set aside for as long as its connection lives.
 
 Puts not waited for (``wait=False``) leave the STORE's or COMMIT's reply for
-later and keep two grants going (the second from a RESERVE with REGRANT): the
-client copies its next value into one while the node publishes the other.
+later and keep ``GRANTS_AHEAD`` grants going (the others from RESERVEs with
+REGRANT): the client copies its next value into one while the node publishes
+the others and the grants their replies bring travel back.
 
 ``ArenaWrites`` is the write half of ``ShmConnection`` (a mixin over a
 ``DataPlaneConnection`` with the arena mapped at ``_mem``). Frames:
@@ -41,6 +42,9 @@ from kvstore_client.wire import (
 )
 
 GRANT_MAX_BYTES = 4 << 20  # puts up to this size (and 1/64 of the arena) keep a grant for the next one
+# Grants a writer that does not wait keeps going. With two, a run of 1 MiB puts waited about
+# 10 microseconds a put for the grant the put before last brings back; three were 8-10% faster.
+GRANTS_AHEAD = 3
 
 _checksum = xxhash.xxh3_64_intdigest
 
@@ -63,7 +67,7 @@ class ArenaWrites:
         a grant of the same sizes (one STORE, with the checksums of the sources), else
         RESERVE, copy, COMMIT with those checksums (WRITTEN). Both ask for a grant of the
         same sizes for the next put (REGRANT). Without ``wait`` the STORE or COMMIT is not
-        waited for, and a second grant is asked for once."""
+        waited for, and more grants are asked for, up to GRANTS_AHEAD."""
         costs = {i: len(view) for i, (_, view, _) in ready.items()}
         for chunk in _split(list(ready), costs, self.max_frame_bytes, KEYS_PER_FRAME):
             items = [ready[i] for i in chunk]
@@ -73,7 +77,7 @@ class ArenaWrites:
                 statuses = self._store(grant[0], items, grant[2], wait)
             else:
                 statuses = self._reserve_and_commit(items, wait)
-            if not wait and self._regrant(sizes) and len(self._grants) + self._grants_coming < 2:
+            if not wait and self._regrant(sizes) and len(self._grants) + self._grants_coming < GRANTS_AHEAD:
                 self._ask_grant(items)
             for i, status in zip(chunk, statuses):
                 results[i] = None if status == Status.OK else error_for(status)

@@ -65,13 +65,17 @@ def test_the_next_placement_is_asked_for_before_the_current_one_runs_out(master)
     with Client(master, placement_bytes=256 * KiB, placement_ttl=60) as client:
         for k in keys[:2]:
             client.put(k, value_for(k, 64 * KiB))
-        assert not client._next_placements  # half of the placement left
+        assert client._placements.asked_ahead("ahead") is None  # half of the placement left
         client.put(keys[2], value_for(keys[2], 64 * KiB))
-        asked = client._next_placements["ahead"][1]
+        size, asked = client._placements.asked_ahead("ahead")
+        assert size == 16 * 256 * KiB  # 192 KiB in milliseconds: a fast writer, 60 s of it is past the cap
         for k in keys[3:5]:
             client.put(k, value_for(k, 64 * KiB))  # the fifth needs a new placement: the one asked ahead
-        assert not client._next_placements and asked.done()
-        assert client.batch_get(keys[:5]) == [value_for(k, 64 * KiB) for k in keys[:5]]
+        assert client._placements.asked_ahead("ahead") is None and asked.done()
+        for k in keys[5:]:
+            client.put(k, value_for(k, 64 * KiB))  # 4 MiB: room for all of them without asking
+        assert client._placements.asked_ahead("ahead") is None
+        assert client.batch_get(keys) == [value_for(k, 64 * KiB) for k in keys]
 
 
 def test_typed_errors(client):

@@ -124,6 +124,24 @@ def test_granted_space_is_named_at_commit(make_store):
         store.grant(0)
 
 
+def test_grants_hold_at_most_an_eighth_of_dram(make_store):
+    store = make_store()  # 512 KiB of DRAM: 64 KiB of grants
+    held = [store.grant(16 * KiB) for _ in range(4)]
+    with pytest.raises(CapacityError):
+        store.grant(4 * KiB)
+    assert store.stats()["store"]["granted_bytes"] == 64 * KiB
+    store.reserve(key(1), 16 * KiB).revoke()  # reservations named at once are not grants
+    held.pop().revoke()  # given back
+    held.pop().bind(key(2))  # now a block being written, no longer a grant
+    assert store.stats()["store"]["granted_bytes"] == 32 * KiB
+    held.append(store.grant(32 * KiB))
+    with pytest.raises(CapacityError):
+        store.grant(4 * KiB)
+    for res in held:
+        res.revoke()
+    assert store.stats()["store"]["granted_bytes"] == 0
+
+
 def test_exists_batch_exists_match_prefix(make_store):
     store = make_store()
     keys = BlockHasher("m", 4).keys(list(range(40)))

@@ -274,3 +274,25 @@ def test_same_sized_puts_go_through_grants_and_grants_end_with_the_connection(tm
         server.stop()
         store.close()
 
+
+
+def test_writers_not_waiting_share_at_most_an_eighth_of_dram_in_grants(tmp_path):
+    store = BlockStore(StoreConfig(dram_capacity=64 * BLOCK, max_block_bytes=BLOCK, background_eviction=False))
+    server = DataPlaneServer(store, unix_path=str(tmp_path / "dp.sock")).start()
+    conns = [ShmConnection(server.unix_path) for _ in range(4)]  # 3 grants each wanted, room for 8 in all
+    try:
+        keys = {(w, i): key(f"writer-{w}-{i}") for w in range(len(conns)) for i in range(10)}
+        for i in range(10):
+            for w, conn in enumerate(conns):
+                conn.put(keys[w, i], uniform(10 * w + i), wait=False)
+            assert store.stats()["store"]["granted_bytes"] <= 8 * BLOCK
+        for conn in conns:
+            conn.settle()
+            assert not conn.put_failures
+        assert {k: store.get(k) for k in keys.values()} == {k: uniform(10 * w + i) for (w, i), k in keys.items()}
+        assert sum(len(conn._grants) for conn in conns) <= 8 < 3 * len(conns)
+    finally:
+        for conn in conns:
+            conn.close()
+        server.stop()
+        store.close()

@@ -22,14 +22,15 @@ class Reservation:
     Not meant to be shared between threads.
     """
 
-    __slots__ = ("key", "size", "depth", "buffer", "_store", "_extent", "__weakref__")
+    __slots__ = ("key", "size", "depth", "buffer", "_store", "_extent", "_granted", "__weakref__")
 
-    def __init__(self, store: "BlockStore", key, extent: "Extent", depth: int):
+    def __init__(self, store: "BlockStore", key, extent: "Extent", depth: int, granted: bool = False):
         self.key = key
         self.size = extent.size
         self.depth = depth
         self._store = store
         self._extent: "Extent | None" = extent
+        self._granted = granted  # counted in the store's grant budget until bound or revoked
         self.buffer = store._dram.writable(extent)
 
     @property
@@ -50,6 +51,7 @@ class Reservation:
         if depth < 0:
             raise InvalidValue("depth cannot be negative")
         self.key, self.depth = self._store._check_key(key), depth
+        self._end_grant()
 
     def commit(self, expected_checksum: int | None = None) -> None:
         """Publish the written bytes under the key (checksummed now).
@@ -77,7 +79,13 @@ class Reservation:
         """Give the space back; nothing becomes visible."""
         extent = self._take()
         self.buffer.release()
+        self._end_grant()
         self._store._dram.abort(extent)
+
+    def _end_grant(self) -> None:
+        if self._granted:
+            self._granted = False
+            self._store._grant_ended(self.size)
 
     def _take(self) -> "Extent":
         extent, self._extent = self._extent, None

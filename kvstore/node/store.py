@@ -32,6 +32,7 @@ from kvstore.sharded import ShardedDict
 from kvstore.tiers.dram import DramTier, Extent
 
 _checksum = xxhash.xxh3_64_intdigest
+GRANT_SHARE = 8  # grants (space set aside for same-host writers' next puts) hold at most 1/8 of DRAM
 
 # A listener gets (event, key, tier name) for "stored", "moved" and "removed";
 # it runs under the store lock, so it must only hand the event off (e.g. queue it).
@@ -52,6 +53,8 @@ class BlockStore:
         self._counters = [TierCounters(), TierCounters()]
         self._listeners: list[Listener] = []
         self._closed = False
+        self._granted = 0  # bytes held by grants not bound to a key yet
+        self._grant_lock = threading.Lock()
         if config.ssd_path is not None:
             from kvstore.tiers.ssd import SsdTier
 
@@ -98,9 +101,24 @@ class BlockStore:
 
     def grant(self, size: int) -> Reservation:
         """Reserve DRAM for a block whose key is not known yet (a same-host writer's next
-        put); ``bind`` it to a key before committing. Raises like ``reserve``."""
+        put); ``bind`` it to a key before committing. Raises like ``reserve``, and
+        CapacityError when grants would hold more than 1/GRANT_SHARE of DRAM: each lives as
+        long as its writer's connection, idle or not, and they must not crowd blocks out."""
         self._check_size(size)
-        return Reservation(self, None, self._reserve_extent(size), 0)
+        with self._grant_lock:
+            if self._granted + size > self._dram.capacity_bytes // GRANT_SHARE:
+                raise CapacityError(f"grants already hold {self._granted} bytes, 1/{GRANT_SHARE} of DRAM")
+            self._granted += size
+        try:
+            return Reservation(self, None, self._reserve_extent(size), 0, granted=True)
+        except BaseException:
+            self._grant_ended(size)
+            raise
+
+    def _grant_ended(self, size: int) -> None:
+        """A grant was bound to a key or given back (called by its Reservation)."""
+        with self._grant_lock:
+            self._granted -= size
 
     def _reserve_extent(self, size: int) -> Extent:
         """A free DRAM extent of ``size`` bytes, made room for inline if the evictor has not."""
@@ -431,6 +449,7 @@ class BlockStore:
                 "pinned": sum(1 for m in self._table.values() if m.pins),
                 "inline_evictions": self._tiering.inline_passes,
                 "dram_fragmentation": round(self._dram.fragmentation(), 4),
+                "granted_bytes": self._granted,
             }
             return tiers
 
