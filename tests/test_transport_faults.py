@@ -33,7 +33,9 @@ from kvstore_client.wire import (
     LEASE_ITEM,
     MAX_ITEMS,
     PIECEWISE_FROM,
+    REPLY_SPIN,
     RESERVED_ITEM,
+    SPIN_BACKOFF,
     U64,
     FrameReader,
     Op,
@@ -548,6 +550,47 @@ def test_a_frame_reader_hashes_every_byte_it_receives(size):
         reader.readinto(memoryview(out), hasher)
         sender.join()
     assert out == payload and hasher.intdigest() == xxhash.xxh3_64_intdigest(payload)
+
+
+def test_a_polling_reader_reads_what_comes_soon_or_late_and_backs_off_after_late():
+    """A client's reader polls for a reply before it sleeps in recv: a frame that comes
+    in pieces, soon or after the polling ran out, is read whole; one that came late makes
+    the next SPIN_BACKOFF reads sleep at once; a hang-up while it polls is a TransportError."""
+    left, right = socket.socketpair()
+    with left, right:
+        reader = FrameReader(right, spin=0.05)
+
+        def send_later(delay: float, data: bytes) -> threading.Thread:
+            thread = threading.Thread(target=lambda: (time.sleep(delay), left.sendall(data)))
+            thread.start()
+            return thread
+
+        sender = send_later(0.005, b"soon")
+        assert bytes(reader.read(4)) == b"soon" and reader._skip_spins == 0
+        sender.join()
+        left.sendall(b"ha")
+        sender = send_later(0.01, b"lf")
+        assert bytes(reader.read(4)) == b"half"  # half buffered, half polled for
+        sender.join()
+        sender = send_later(0.2, b"late")
+        assert bytes(reader.read(4)) == b"late" and reader._skip_spins == SPIN_BACKOFF
+        sender.join()
+        left.sendall(b"next")
+        assert bytes(reader.read(4)) == b"next" and reader._skip_spins == SPIN_BACKOFF - 1
+        reader._skip_spins = 0
+        left.shutdown(socket.SHUT_WR)
+        with pytest.raises(TransportError):
+            reader.read(4)
+
+
+def test_servers_never_poll_and_clients_do(tmp_path):
+    store = BlockStore(StoreConfig(dram_capacity=MiB, max_block_bytes=64 * KiB))
+    with DataPlaneServer(store, unix_path=str(tmp_path / "dp.sock")) as server:
+        with UnixConnection(server.unix_path) as conn:
+            conn.put(key("k"), b"v")
+            (served,) = list(server._connections)
+            assert served.reader._spin == 0 and conn._reader._spin == REPLY_SPIN > 0
+    store.close()
 
 
 @pytest.mark.parametrize("size", [800, PIECEWISE_FROM + 4097], ids=["one-recv", "received-in-pieces"])
