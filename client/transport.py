@@ -280,7 +280,7 @@ class DataPlaneConnection:
         waiting); its body_len. Error frames raise their typed error."""
         if self._unacked and not self._collecting:
             self._collect_unacked()
-        r_op, status, _, r_id, r_count, body_len = unpack_header(self._reader.read(HEADER_SIZE))
+        r_op, status, _, r_id, r_count, body_len = unpack_header(self._reader.read(HEADER_SIZE, op != Op.GET))
         if r_op == Op.ERROR or status != Status.OK:
             message = bytes(self._reader.read(body_len)).decode(errors="replace") if body_len <= 65536 else ""
             raise error_for(status, f"node rejected the request: {message}")

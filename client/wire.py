@@ -222,12 +222,14 @@ def parse_table(body, count: int, fixed: struct.Struct = KEY_HEAD) -> list[tuple
 # -- streams ----------------------------------------------------------------------------
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _FILL = 16384  # bytes asked for when refilling: small, so little payload is copied through the buffer
-# A client waiting for a reply polls its socket for up to REPLY_SPIN seconds (yielding the CPU
-# between polls) before it sleeps in recv: on this kind of VM (idle vCPUs halt at once) a sleep
-# and the wake-up the reply then needs cost 20-40 microseconds on each side, as much as the node's
-# work on a put. A reply that takes longer than that to come makes the next SPIN_BACKOFF waits
-# sleep at once, so a loaded node or CPU is not polled for nothing. Environment:
-# KVSTORE_REPLY_SPIN_US (0: never poll).
+# A client waiting for a reply that carries no block polls its socket for up to REPLY_SPIN
+# seconds (yielding the CPU between polls) before it sleeps in recv: where an idle CPU halts at
+# once (VMs without guest halt-polling, like the one the README's figures come from) a sleep and
+# the wake-up the reply then needs cost 20-40 microseconds on each side, as much as the node's
+# work on a put. A reply later than that makes the next SPIN_BACKOFF waits sleep at once, so a
+# loaded node or CPU is not polled for nothing. Replies with blocks (GET) are not polled for:
+# their bytes keep coming for longer, and polling for the first of them cost 40 microseconds of
+# CPU per 1 MiB get for no gain in time. Environment: KVSTORE_REPLY_SPIN_US (0: never poll).
 REPLY_SPIN = float(os.environ.get("KVSTORE_REPLY_SPIN_US", "200")) / 1e6
 SPIN_BACKOFF = 8
 _DONTWAIT = socket.MSG_DONTWAIT
@@ -248,8 +250,8 @@ class FrameReader:
     buffered and receiving the rest straight into it (``MSG_WAITALL``);
     ``readinto_many`` does the same for a list of buffers with scatter reads.
     EOF raises TransportError. Not thread-safe: one reader per connection.
-    ``spin``: seconds ``read`` polls for data before it sleeps in recv (see
-    REPLY_SPIN; 0 for a server, whose threads must not poll).
+    ``spin``: seconds ``read(n, poll=True)`` polls for data before it sleeps in
+    recv (see REPLY_SPIN; 0 for a server, whose threads must not poll).
     """
 
     def __init__(self, sock, size: int = 65536, spin: float = 0.0):
@@ -272,7 +274,9 @@ class FrameReader:
         self._start, self._end = 0, got
         return bool(got)
 
-    def read(self, n: int) -> memoryview:
+    def read(self, n: int, poll: bool = False) -> memoryview:
+        """The next ``n`` bytes (a view valid until the next call); ``poll``: poll for them
+        for up to ``spin`` seconds before sleeping in recv (for a reply expected soon)."""
         start, end = self._start, self._end
         if end - start >= n:
             self._start = start + n
@@ -287,7 +291,7 @@ class FrameReader:
             end -= start
         while end < n:
             want = min(len(buf) - end, max(n - end, _FILL))
-            got = self._recv_spinning(buf[end:], want) if self._spin else self._recv(buf[end:], want)
+            got = self._recv_polling(buf[end:], want) if poll and self._spin else self._recv(buf[end:], want)
             if not got:
                 self._start = self._end = 0
                 raise TransportError("connection closed by peer")
@@ -295,7 +299,7 @@ class FrameReader:
         self._start, self._end = n, end
         return buf[:n]
 
-    def _recv_spinning(self, view, n: int) -> int:
+    def _recv_polling(self, view, n: int) -> int:
         """recv_into, polled for up to ``spin`` seconds first (unless backing off)."""
         if self._skip_spins:
             self._skip_spins -= 1

@@ -566,21 +566,23 @@ def test_a_polling_reader_reads_what_comes_soon_or_late_and_backs_off_after_late
             return thread
 
         sender = send_later(0.005, b"soon")
-        assert bytes(reader.read(4)) == b"soon" and reader._skip_spins == 0
+        assert bytes(reader.read(4, poll=True)) == b"soon" and reader._skip_spins == 0
         sender.join()
         left.sendall(b"ha")
         sender = send_later(0.01, b"lf")
-        assert bytes(reader.read(4)) == b"half"  # half buffered, half polled for
+        assert bytes(reader.read(4, poll=True)) == b"half"  # half buffered, half polled for
         sender.join()
         sender = send_later(0.2, b"late")
-        assert bytes(reader.read(4)) == b"late" and reader._skip_spins == SPIN_BACKOFF
+        assert bytes(reader.read(4, poll=True)) == b"late" and reader._skip_spins == SPIN_BACKOFF
         sender.join()
         left.sendall(b"next")
-        assert bytes(reader.read(4)) == b"next" and reader._skip_spins == SPIN_BACKOFF - 1
+        assert bytes(reader.read(4, poll=True)) == b"next" and reader._skip_spins == SPIN_BACKOFF - 1
+        left.sendall(b"nopoll")
+        assert bytes(reader.read(6)) == b"nopoll" and reader._skip_spins == SPIN_BACKOFF - 1  # not a poll
         reader._skip_spins = 0
         left.shutdown(socket.SHUT_WR)
         with pytest.raises(TransportError):
-            reader.read(4)
+            reader.read(4, poll=True)
 
 
 def test_servers_never_poll_and_clients_do(tmp_path):
