@@ -63,11 +63,12 @@ class Client:
     ``placement_bytes``: one placement from the master serves this client's
     puts to a namespace for that many seconds or bytes, whichever ends first
     (the master counts those bytes against the chosen nodes, so concurrent
-    writers spread over the pool); a fast writer's grow to what it puts in
-    ``placement_ttl``, up to 16 times (``kvstore_client.placements``). ``verify``: check block checksums
-    on every read (cheap: XXH3-64). ``data_path``: force "tcp", "unix" or
-    "shm" (default None: shared memory on this host when ``prefer_shm``, else
-    the Unix socket, TCP to other hosts).
+    writers spread over the pool); a faster writer's placements grow to what
+    it puts in ``placement_ttl``, up to 16 times ``placement_bytes``
+    (``kvstore_client.placements``). ``verify``: check block checksums on
+    every read (cheap: XXH3-64). ``data_path``: force "tcp", "unix" or "shm"
+    (default None: shared memory on this host when ``prefer_shm``, else the
+    Unix socket, TCP to other hosts).
     """
 
     def __init__(self, master: str, *, prefer_shm: bool = True, location_ttl: float = 2.0,
