@@ -558,7 +558,7 @@ def test_a_polling_reader_reads_what_comes_soon_or_late_and_backs_off_after_late
     the next SPIN_BACKOFF reads sleep at once; a hang-up while it polls is a TransportError."""
     left, right = socket.socketpair()
     with left, right:
-        reader = FrameReader(right, spin=0.05)
+        reader = FrameReader(right, spin=0.3)  # ample: a busy machine must not turn soon into late
 
         def send_later(delay: float, data: bytes) -> threading.Thread:
             thread = threading.Thread(target=lambda: (time.sleep(delay), left.sendall(data)))
@@ -572,7 +572,7 @@ def test_a_polling_reader_reads_what_comes_soon_or_late_and_backs_off_after_late
         sender = send_later(0.01, b"lf")
         assert bytes(reader.read(4, poll=True)) == b"half"  # half buffered, half polled for
         sender.join()
-        sender = send_later(0.2, b"late")
+        sender = send_later(0.6, b"late")
         assert bytes(reader.read(4, poll=True)) == b"late" and reader._skip_spins == SPIN_BACKOFF
         sender.join()
         left.sendall(b"next")
