@@ -232,7 +232,8 @@ def test_metrics_endpoints(cluster):
     with Client(master.record["master"], prefer_shm=False) as client:
         client.put(keys_of(1, "metrics")[0], b"m" * 5000)
     for url, name in ((master.record["metrics"], "kvstore_"), (nodes[0].record["metrics"], "kvstore_tier_used_bytes"),
-                      (nodes[0].record["metrics"], "kvstore_ssd_written_bytes_total")):
+                      (nodes[0].record["metrics"], "kvstore_ssd_written_bytes_total"),
+                      (nodes[0].record["metrics"], "kvstore_node_granted_bytes")):
         body = urllib.request.urlopen(f"http://{url}/metrics", timeout=5).read().decode()
         assert name in body and "# TYPE" in body
     published = 0

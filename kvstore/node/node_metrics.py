@@ -29,6 +29,8 @@ def node_metrics(node) -> list[tuple[str, str, str, dict, float]]:
     rows.append(("kvstore_node_pinned_blocks", "Pinned blocks.", "gauge", base, store["pinned"]))
     rows.append(("kvstore_node_inline_evictions_total", "Puts that had to evict inline.", "counter", base,
                  store["inline_evictions"]))
+    rows.append(("kvstore_node_granted_bytes", "DRAM set aside for same-host writers' next puts (grants).",
+                 "gauge", base, store["granted_bytes"]))
     directory = node.store._dram.directory
     if directory is not None:
         rows.append(("kvstore_node_directory_blocks", "DRAM blocks same-host clients can read without a round trip.",
