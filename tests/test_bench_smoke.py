@@ -87,3 +87,15 @@ def test_gc_pauses_bench_runs_small(capsys):
         for figures in phases.values():
             assert figures["longest_put_ms"] >= figures["p999_put_ms"] > 0
             assert figures["total_collection_ms"] >= figures["longest_collection_ms"] >= 0
+
+
+def test_cpu_per_op_bench_runs_small(capsys, tmp_path):
+    from bench import cpu_per_op
+
+    cpu_per_op.main(["--clients", "2", "--size", "64KiB", "--count", "8", "--seconds", "0.2", "--repeats", "1",
+                     "--unix", str(tmp_path / "node.sock"), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    for kind in ("kvstore", "raw"):
+        assert result[kind]["gbps"] > 0 and result[kind]["clients_us"] > 0
+        assert result[kind]["server_user_us"] + result[kind]["server_system_us"] > 0
+    assert result["kvstore_vs_raw"] > 0 and len(result["runs"]["kvstore"]) == 1
