@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from bench.common import emit, markdown_table
 from bench.node_process import NodeProcess, bench_keys
-from kvstore.benchmark.baselines import SOCKET_REQUEST, serve_socket
+from kvstore.benchmark.baselines import SOCKET_REQUEST, serve_socket, socket_client, socket_get
 from kvstore.benchmark.pool import HelperProcess
 from kvstore.units import parse_size
 
@@ -48,18 +47,8 @@ def _kvstore_reader(address: str, size: int, count: int):
 
 
 def _raw_reader(address: str, size: int, count: int):
-    host, port = address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    view, request = memoryview(np.empty(size, np.uint8)), SOCKET_REQUEST.pack(0, size)
-
-    def read(_: int) -> None:
-        sock.sendall(request)
-        got = 0
-        while got < size:
-            got += sock.recv_into(view[got:], size - got)
-
-    return read
+    sock, view, request = socket_client(address), memoryview(np.empty(size, np.uint8)), SOCKET_REQUEST.pack(0, size)
+    return lambda _: socket_get(sock, view, request)
 
 
 READERS = {"kvstore": _kvstore_reader, "raw": _raw_reader}

@@ -252,34 +252,37 @@ def test_a_killed_node_stops_serving_one_sided_reads(tmp_path):
         master.close()
 
 
-def test_same_sized_puts_go_through_grants_and_grants_end_with_the_connection(tmp_path):
+@pytest.fixture
+def writer_node(tmp_path):
+    """A node of 64 blocks of DRAM whose connections write through grants (its store is ``.store``)."""
     store = BlockStore(StoreConfig(dram_capacity=64 * BLOCK, max_block_bytes=BLOCK, background_eviction=False))
     server = DataPlaneServer(store, unix_path=str(tmp_path / "dp.sock")).start()
-    try:
-        used = store.stats()["dram"]["used"]
-        keys = [key(f"granted-{i}") for i in range(6)]
-        with ShmConnection(server.unix_path) as conn:
-            grants = []
-            for i, k in enumerate(keys):
-                conn.put(k, uniform(i))
-                grants.append(conn._grants[-1][0])  # the grant left for the next put
-            assert len(set(grants)) == len(keys)  # each put used the last grant and got a fresh one
-            assert [store.get(k) for k in keys] == [uniform(i) for i in range(len(keys))]
-            assert store.stats()["dram"]["used"] == used + (len(keys) + 1) * BLOCK  # the blocks and one grant
-            conn.put(key("odd-size"), b"x" * 1000)  # another size: the grant is given back, RESERVE is used
-            assert store.get(key("odd-size")) == b"x" * 1000
-        wait_for(lambda: server.connections == 0)
-        assert store.stats()["dram"]["used"] == used + len(keys) * BLOCK + 4096  # no grant left behind
-    finally:
-        server.stop()
-        store.close()
+    yield server
+    server.stop()
+    store.close()
 
 
+def test_same_sized_puts_go_through_grants_and_grants_end_with_the_connection(writer_node):
+    server, store = writer_node, writer_node.store
+    used = store.stats()["dram"]["used"]
+    keys = [key(f"granted-{i}") for i in range(6)]
+    with ShmConnection(server.unix_path) as conn:
+        grants = []
+        for i, k in enumerate(keys):
+            conn.put(k, uniform(i))
+            grants.append(conn._grants[-1][0])  # the grant left for the next put
+        assert len(set(grants)) == len(keys)  # each put used the last grant and got a fresh one
+        assert [store.get(k) for k in keys] == [uniform(i) for i in range(len(keys))]
+        assert store.stats()["dram"]["used"] == used + (len(keys) + 1) * BLOCK  # the blocks and one grant
+        conn.put(key("odd-size"), b"x" * 1000)  # another size: the grant is given back, RESERVE is used
+        assert store.get(key("odd-size")) == b"x" * 1000
+    wait_for(lambda: server.connections == 0)
+    assert store.stats()["dram"]["used"] == used + len(keys) * BLOCK + 4096  # no grant left behind
 
-def test_writers_not_waiting_share_at_most_an_eighth_of_dram_in_grants(tmp_path):
-    store = BlockStore(StoreConfig(dram_capacity=64 * BLOCK, max_block_bytes=BLOCK, background_eviction=False))
-    server = DataPlaneServer(store, unix_path=str(tmp_path / "dp.sock")).start()
-    conns = [ShmConnection(server.unix_path) for _ in range(4)]  # 3 grants each wanted, room for 8 in all
+
+def test_writers_not_waiting_share_at_most_an_eighth_of_dram_in_grants(writer_node):
+    store = writer_node.store
+    conns = [ShmConnection(writer_node.unix_path) for _ in range(4)]  # 3 grants each wanted, room for 8 in all
     try:
         keys = {(w, i): key(f"writer-{w}-{i}") for w in range(len(conns)) for i in range(10)}
         for i in range(10):
@@ -294,5 +297,3 @@ def test_writers_not_waiting_share_at_most_an_eighth_of_dram_in_grants(tmp_path)
     finally:
         for conn in conns:
             conn.close()
-        server.stop()
-        store.close()

@@ -38,6 +38,22 @@ def _serve_socket_connection(sock: socket.socket, sizes: list[int], blocks: dict
             i += 1
 
 
+def socket_client(address: str) -> socket.socket:
+    """A connection to the raw socket baseline server at "host:port" (Nagle off, as kvstore's)."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def socket_get(sock: socket.socket, view: memoryview, request: bytes) -> None:
+    """One get from the raw socket baseline server: send ``request``, receive a block into ``view``."""
+    sock.sendall(request)
+    size, got = len(view), 0
+    while got < size:
+        got += sock.recv_into(view[got:], size - got)
+
+
 def serve_socket(conn, sizes: list[int], counts: list[int]) -> None:
     """The raw request/response baseline: one thread per connection. Runs in its own process."""
     rng = np.random.default_rng(7)

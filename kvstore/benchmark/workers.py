@@ -3,12 +3,11 @@ and times the calls of one measure when the parent asks (all clients start toget
 
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
 
-from kvstore.benchmark.baselines import SOCKET_REQUEST
+from kvstore.benchmark.baselines import SOCKET_REQUEST, socket_client, socket_get
 from kvstore.benchmark.pool import run_helper, sigint_held
 
 
@@ -88,9 +87,7 @@ class Worker:
 
     def _socket(self):
         if self.sock is None:
-            host, port = self.socket_address.rsplit(":", 1)
-            self.sock = socket.create_connection((host, int(port)))
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock = socket_client(self.socket_address)
         return self.sock
 
     def calls(self, measure: str, limit: int | None = None):
@@ -130,18 +127,14 @@ class Worker:
         sock, view = self._socket(), memoryview(self.dst[0])
         get_req, put_req = SOCKET_REQUEST.pack(0, size), SOCKET_REQUEST.pack(1, size)
 
-        def sget():
-            sock.sendall(get_req)
-            got = 0
-            while got < size:
-                got += sock.recv_into(view[got:], size - got)
-
         def sput(i):
             sock.sendall(put_req)
             sock.sendall(values[i])
             sock.recv(1)
 
-        return [sget for _ in singles] if op == "get" else [lambda i=i: sput(i) for i in singles]
+        if op == "get":
+            return [lambda: socket_get(sock, view, get_req) for _ in singles]
+        return [lambda i=i: sput(i) for i in singles]
 
     def _redis_calls(self, op: str, singles, batches):
         r, rkeys, values = self._redis(), self.rkeys, self.values
