@@ -1,0 +1,225 @@
+"""KVStoreConnector: vLLM's KV connector (v1 API) over a kvstore pool.
+
+Enable it with::
+
+    kv_transfer_config={"kv_connector": "KVStoreConnector",
+                        "kv_connector_module_path": "kvstore_client.vllm",
+                        "kv_role": "kv_both",
+                        "kv_load_failure_policy": "recompute",
+                        "kv_connector_extra_config": {"master": "HOST:PORT"}}
+
+(``kvstore_client.vllm.settings`` lists the extra keys.) vLLM runs one instance in its
+scheduler and one in each worker:
+
+- scheduler: for a new request, ``get_num_new_matched_tokens`` asks the master how many of
+  the prompt's leading blocks the pool holds beyond vLLM's own hit; ``RequestPlans`` turns
+  that, the blocks vLLM allocates and the tokens each step schedules into a ``StepPlan``
+  (blocks to load, new full blocks to save) that vLLM hands to the workers;
+- worker: ``start_load_kv`` starts loading the step's blocks layer by layer and
+  ``wait_for_layer_load`` waits for one layer, so loading overlaps the model;
+  ``save_kv_layer`` queues a layer's new blocks as soon as its attention ends and
+  ``wait_for_save`` collects the pool's answers before vLLM may free the blocks
+  (``LayerwiseTransfers``). A block lost between lookup and load is reported by
+  ``get_block_ids_with_load_errors`` and recomputed by vLLM, never read as wrong KV.
+
+Keys and what one stored value is: ``kvstore_client.vllm.naming``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from kvstore_client.errors import ConfigError, KVStoreError
+from kvstore_client.vllm.naming import KVLayout, PoolNaming
+from kvstore_client.vllm.plans import RequestPlans, StepPlan
+from kvstore_client.vllm.settings import read_settings
+from kvstore_client.vllm.transfer import LayerwiseTransfers
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+# vLLM's non-cryptographic prefix hashes use a random per-process seed unless PYTHONHASHSEED is set.
+UNSEEDED_HASHES = {"xxhash", "xxhash_cbor"}
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler's connector to the workers'."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+def layer_order(layer_names) -> list[str]:
+    """Attention layers in model order ("model.layers.10.attn" after "model.layers.9.attn")."""
+    return sorted(layer_names, key=lambda name: ([int(n) for n in re.findall(r"\d+", name)], name))
+
+
+def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> FullAttentionSpec:
+    """The one full-attention KV spec the connector handles; ConfigError for anything else."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    if getattr(model, "use_mla", False):
+        raise ConfigError("KVStoreConnector does not support MLA models yet")
+    if parallel.pipeline_parallel_size > 1:
+        raise ConfigError("KVStoreConnector does not support pipeline parallelism")
+    if getattr(parallel, "decode_context_parallel_size", 1) > 1:
+        raise ConfigError("KVStoreConnector does not support decode context parallelism")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        raise ConfigError(f"KVStoreConnector supports models whose layers are all full attention, not {kinds} "
+                          "(hybrid, sliding-window and state-space models are not supported)")
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    if algo in UNSEEDED_HASHES and os.environ.get("PYTHONHASHSEED") is None:
+        raise ConfigError(f"prefix_caching_hash_algo {algo!r} hashes with a random per-process seed unless "
+                          "PYTHONHASHSEED is set, so no other engine could find this one's blocks: set "
+                          "PYTHONHASHSEED to the same value on every engine, or use sha256")
+    return groups[0].kv_cache_spec
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """Loads prefix KV from, and stores new KV into, a kvstore pool, layer by layer."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        self._settings = read_settings(transfer_config.kv_connector_extra_config, transfer_config.kv_role)
+        spec = check_supported(vllm_config, kv_cache_config)
+        if self._settings.load and transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("kvstore: kv_load_failure_policy is %r: a block evicted between lookup and load fails "
+                        "its request; set it to 'recompute' to recompute such blocks instead",
+                        transfer_config.kv_load_failure_policy)
+        from vllm.platforms import current_platform
+
+        self._layer_names = layer_order(kv_cache_config.kv_cache_groups[0].layer_names)
+        self._block_size = spec.block_size
+        layout = KVLayout(
+            model=vllm_config.model_config.model, revision=vllm_config.model_config.revision or "",
+            kv_dtype=f"{spec.dtype}/{vllm_config.cache_config.cache_dtype}", block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, num_layers=len(self._layer_names),
+            tp_size=vllm_config.parallel_config.tensor_parallel_size, device=current_platform.device_type,
+            hash_algo=vllm_config.cache_config.prefix_caching_hash_algo)
+        from kvstore_client.client import Client
+
+        self._client = Client(self._settings.master, timeout=self._settings.timeout)
+        self._num_blocks = kv_cache_config.num_blocks
+        self._transfers: LayerwiseTransfers | None = None  # worker side, once the KV caches exist
+        if role == KVConnectorRole.SCHEDULER:
+            self._naming = PoolNaming(self._settings.namespace, layout, tp_rank=0)
+            self._plans = RequestPlans(spec.block_size, load=self._settings.load, save=self._settings.save,
+                                       save_decode=self._settings.save_decode)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._naming = PoolNaming(self._settings.namespace, layout, tp_rank=get_tensor_model_parallel_rank())
+            self._layer_index = {name: i for i, name in enumerate(self._layer_names)}
+        self._lookup_failed = False
+
+    # ==== worker side ========================================================================
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        layers = []
+        for name in self._layer_names:
+            tensor = kv_caches[name]
+            if tensor.device.type != "cpu":
+                raise ConfigError(f"KVStoreConnector moves KV caches in host memory; layer {name} is on "
+                                  f"{tensor.device}")
+            if tensor.shape[0] != self._num_blocks or not tensor[0].is_contiguous():
+                raise ConfigError(f"KV cache layout of {name} not supported: shape {tuple(tensor.shape)}, strides "
+                                  f"{tensor.stride()}; the connector needs one contiguous slab per block")
+            layers.append(tensor)
+        self._transfers = LayerwiseTransfers(self._client, self._naming, layers)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is not None and self._transfers is not None:
+            self._transfers.start_loads(plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._transfers is not None:
+            self._transfers.wait_layer(self._layer_index[layer_name])
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is not None and plan.saves and self._transfers is not None:
+            self._transfers.save_layer(self._layer_index[layer_name], plan.saves)
+
+    def wait_for_save(self) -> None:
+        if self._transfers is not None:
+            self._transfers.finish_loads()
+            self._transfers.finish_saves()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._transfers.take_load_failures() if self._transfers is not None else set()
+
+    def _plan(self) -> StepPlan | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, KVStoreConnectorMetadata) else None
+
+    def transfer_stats(self):
+        """Block layers loaded, saved and failed so far on this worker (None on the scheduler)."""
+        return self._transfers.stats if self._transfers is not None else None
+
+    # ==== scheduler side =====================================================================
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        hashes = request.block_hashes[: self._plans.loadable_blocks(request.num_prompt_tokens)]
+        pool_blocks = self._lookup(hashes) if hashes else 0
+        self._plans.remember_hit(request.request_id, pool_blocks, num_computed_tokens)
+        return self._plans.external_tokens(pool_blocks, num_computed_tokens), False
+
+    def _lookup(self, hashes: list[bytes]) -> int:
+        """Leading blocks of ``hashes`` the pool holds (0 when it cannot be asked)."""
+        try:
+            found = self._client.match_prefix(self._naming.keys(self._naming.last_layer, hashes)).longest
+        except (KVStoreError, OSError) as exc:
+            if not self._lookup_failed:
+                log.warning("kvstore: prefix lookup failed (%s): computing without the pool until it answers", exc)
+            self._lookup_failed = True
+            return 0
+        self._lookup_failed = False
+        return found
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        self._plans.allocated(request.request_id, request.block_hashes, request.num_prompt_tokens,
+                              num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        cached = scheduler_output.scheduled_cached_reqs
+        new = [(r.req_id, r.block_ids[0], r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        resumed = cached.resumed_req_ids
+        changed = [(req_id, None if ids is None else ids[0], req_id in resumed, computed)
+                   for req_id, ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)]
+        speculative = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
+        plan = self._plans.step(new, changed, scheduler_output.num_scheduled_tokens, speculative)
+        return KVStoreConnectorMetadata(plan)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves are collected at the end of every step, so the blocks may be freed now.
+        self._plans.finished(request.request_id)
+        return False, None
+
+    def shutdown(self) -> None:
+        try:
+            if self._transfers is not None:
+                self._transfers.close()
+        finally:
+            self._client.close()
