@@ -24,6 +24,24 @@ class Size(click.ParamType):
 SIZE = Size()
 
 
+class ZmqEndpoint(click.ParamType):
+    """A ZMQ endpoint the master binds: tcp://HOST:PORT or ipc://PATH."""
+
+    name = "endpoint"
+
+    def convert(self, value, param, ctx):
+        from kvstore.master.kv_events import check_endpoint
+        from kvstore_client.errors import ConfigError
+
+        try:
+            return check_endpoint(value, "endpoint")
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+ENDPOINT = ZmqEndpoint()
+
+
 class KVStoreGroup(click.Group):
     """Turns the store's typed errors into one clear line and exit status 1."""
 
@@ -116,6 +134,58 @@ def scheduling_options(f):
     return f
 
 
+def kv_events_options(f):
+    """The master's KV events in vLLM's wire format (see kvstore.master.kv_events); `master` and `up`."""
+    options = [
+        click.option("--kv-events", "kv_events", type=ENDPOINT, default=None, metavar="tcp://HOST:PORT",
+                     help="Publish BlockStored/BlockRemoved/AllBlocksCleared as vLLM KVEventBatch messages on a "
+                          "ZMQ PUB socket bound here (port 0: any; needs kvstore[events]). Default: off."),
+        click.option("--kv-events-replay", type=ENDPOINT, default=None, metavar="tcp://HOST:PORT",
+                     help="Also bind vLLM's replay ROUTER socket here (missed messages from a sequence number)."),
+        click.option("--kv-events-topic", default="", metavar="PREFIX",
+                     help="Fixed prefix in front of each message's topic (the namespace)."),
+        click.option("--kv-events-hashes", type=click.Choice(["bytes", "int64"]), default="bytes",
+                     show_default=True,
+                     help="Block hashes as the digests' bytes, or as vLLM's int form (low 64 bits, big-endian: "
+                          "what vLLM emits by default and Dynamo decodes)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def build_kv_events(kv_events, kv_events_replay, kv_events_topic, kv_events_hashes):
+    """KVEventsOptions from the flags, or None when --kv-events is absent."""
+    if kv_events is None:
+        hashes_given = click.get_current_context().get_parameter_source("kv_events_hashes").name != "DEFAULT"
+        for flag, given in (("--kv-events-replay", kv_events_replay), ("--kv-events-topic", kv_events_topic),
+                            ("--kv-events-hashes", hashes_given)):
+            if given:
+                raise click.UsageError(f"{flag} needs --kv-events")
+        return None
+    from kvstore.master.kv_events import KVEventsOptions
+    from kvstore_client.errors import ConfigError
+
+    try:
+        return KVEventsOptions(kv_events, kv_events_replay, topic=kv_events_topic, hashes=kv_events_hashes)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def kv_events_lines(server) -> list[str]:
+    if not server.kv_events_address:
+        return []
+    replay = f", replay on {server.kv_events_replay_address}" if server.kv_events_replay_address else ""
+    return [f"KV events (vLLM format) on {server.kv_events_address}{replay}"]
+
+
+def kv_events_record(server) -> dict:
+    """The KV events endpoints for the JSON line (nothing when off, so the line is as before)."""
+    if not server.kv_events_address:
+        return {}
+    return {"kv_events": server.kv_events_address, "kv_events_replay": server.kv_events_replay_address}
+
+
 def build_store_config(data_dir, dram, ssd, max_block, policy):
     import os
 
@@ -137,28 +207,32 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
 @click.option("--ttl", type=float, default=5.0, show_default=True, help="Seconds without heartbeat before a node is dropped.")
 @click.option("--replicas", type=int, default=1, show_default=True, help="Copies of each block (best effort).")
 @scheduling_options
+@kv_events_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
-def master(host, port, metrics_port, ttl, replicas, as_json, **scheduling) -> None:
+def master(host, port, metrics_port, ttl, replicas, as_json, kv_events, kv_events_replay, kv_events_topic,
+           kv_events_hashes, **scheduling) -> None:
     """Run the master: membership, the global prefix index, placement and the conductor."""
     from kvstore.serving import service_process
 
+    events = build_kv_events(kv_events, kv_events_replay, kv_events_topic, kv_events_hashes)
     signals = service_process()
-    server = start_master(host, port, metrics_port, ttl, replicas, **scheduling)
+    server = start_master(host, port, metrics_port, ttl, replicas, kv_events=events, **scheduling)
     announce(as_json, [f"kvstore master listening on {server.address}"] +
-             ([f"metrics on http://{server.metrics_address}/metrics"] if server.metrics_address else []),
-             {"master": server.address, "metrics": server.metrics_address})
+             ([f"metrics on http://{server.metrics_address}/metrics"] if server.metrics_address else []) +
+             kv_events_lines(server),
+             {"master": server.address, "metrics": server.metrics_address, **kv_events_record(server)})
     signals.serve([server.stop])
 
 
 def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcache_centric",
-                 admission="prediction", ttft_slo=float("inf"), tbt_slo=float("inf")):
+                 admission="prediction", ttft_slo=float("inf"), tbt_slo=float("inf"), kv_events=None):
     from kvstore.master.conductor_service import SchedulingOptions
     from kvstore.master.server import MasterServer
 
     scheduling = SchedulingOptions(policy=schedule_policy, admission=admission, ttft_slo_s=ttft_slo,
                                    tbt_slo_s=tbt_slo)
     return MasterServer(host=host, port=port, ttl_s=ttl, heartbeat_interval_s=min(1.0, ttl / 3),
-                        replication_factor=replicas, scheduling=scheduling,
+                        replication_factor=replicas, scheduling=scheduling, kv_events=kv_events,
                         metrics_port=None if metrics_port < 0 else metrics_port).start()
 
 
@@ -220,19 +294,23 @@ def node_lines(storage) -> list[str]:
               help="Master metrics port; the node's is the next one (0: any, -1: off).")
 @advertise_option
 @store_options
+@kv_events_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
-def up(host, port, data_port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json) -> None:
+def up(host, port, data_port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json, kv_events,
+       kv_events_replay, kv_events_topic, kv_events_hashes) -> None:
     """Run the embedded default: a master and one storage node in this process."""
     from kvstore.serving import service_process
 
+    events = build_kv_events(kv_events, kv_events_replay, kv_events_topic, kv_events_hashes)
     signals = service_process()
-    master_server = start_master(host, port, metrics_port, 5.0, 1)
+    master_server = start_master(host, port, metrics_port, 5.0, 1, kv_events=events)
     node_metrics = metrics_port + 1 if metrics_port > 0 else metrics_port
     storage = start_node(master_server.address, host, data_port, node_metrics, data_dir, dram, ssd, max_block, policy,
                          advertise)
     announce(as_json, [f"kvstore up: master on {master_server.address}"] + node_lines(storage) +
-             [f"try: kvstore status --master {master_server.address}"],
-             {"master": master_server.address, "master_metrics": master_server.metrics_address, **node_record(storage)})
+             kv_events_lines(master_server) + [f"try: kvstore status --master {master_server.address}"],
+             {"master": master_server.address, "master_metrics": master_server.metrics_address,
+              **node_record(storage), **kv_events_record(master_server)})
     signals.serve([storage.stop, master_server.stop])
 
 

@@ -1,7 +1,9 @@
 """The master: membership, the global prefix index, placement, admin queries (no block bytes).
 
 Domain modules (``index``, ``membership``, ``placement``) are pure Python;
-``service`` adapts them to gRPC and ``server`` runs the process. Importing
+``service`` adapts them to gRPC and ``server`` runs the process. With
+``--kv-events``, ``kv_events`` (what is announced) and its mechanism modules
+publish the index as vLLM KV events on ZMQ. Importing
 this package stays free of gRPC: ``MasterServer`` and ``run_master`` load on
 first use.
 """

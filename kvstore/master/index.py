@@ -18,19 +18,29 @@ digest and a node can be dropped in O(its keys):
 Tiers and event kinds are the proto's integer values (DRAM=1, SSD=2;
 STORED=1, REMOVED=2) so the adapter passes them through unchanged.
 
+Change feed: ``watch(sink)`` makes every update call report its net effect,
+``sink(changes, emptied)`` with ``changes`` = [(namespace, [(digest, holders
+before, holders after), ...])] (a digest once per call) and ``emptied`` = the
+index holds nothing now. It costs nothing while no sink is set; with one, a
+dict of the keys a call touches. The KV event publisher
+(kvstore.master.kv_events) turns the feed into vLLM-style events.
+
 Thread-safety: one ``threading.Lock`` (``_lock``) guards every field; each
 public method holds it for its whole call, so each call is atomic. Callers may
 hold their own lock around these calls (Membership does: the lock order is
 Membership._lock, then PrefixIndex._lock); this class never calls out while
-holding its lock. Input is validated before the lock is taken, so a rejected
-call changes nothing.
+holding its lock, except to the watch sink, which is called under it (so
+changes arrive in the order they were applied) and must only hand them on:
+not block, not call back into the index. Input is validated before the lock
+is taken, so a rejected call changes nothing.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from typing import Iterable, Sequence
+from itertools import chain
+from typing import Callable, Iterable, Sequence
 
 from kvstore.master.errors import InvalidRequest
 from kvstore_client.errors import InvalidKey
@@ -43,6 +53,8 @@ TIER_NAMES = {DRAM: "dram", SSD: "ssd"}
 Holders = tuple  # tuple[tuple[str, int], ...], interned
 Event = tuple  # (kind, tier, digest)
 Batch = tuple  # (namespace, Sequence[Event])
+Change = tuple  # (digest, holders before, holders after)
+ChangeSink = Callable[[list[tuple[str, list[Change]]], bool], None]  # (changes, emptied)
 
 NO_HOLDERS: Holders = ()
 
@@ -90,6 +102,12 @@ class PrefixIndex:
         self._change_count = 0
         self._versions: dict[str, int] = {}  # namespace -> _change_count at its last change
         self._snapshots: dict[str, tuple[int, list[bytes]]] = {}  # sorted digests for paging
+        self._sink: ChangeSink | None = None
+
+    def watch(self, sink: ChangeSink | None) -> None:
+        """Report each update call's net changes to ``sink`` (None: stop). See the module doc."""
+        with self._lock:
+            self._sink = sink
 
     # -- nodes ----------------------------------------------------------------------------
     def add_node(self, node_id: str) -> None:
@@ -103,7 +121,10 @@ class PrefixIndex:
         """Make ``node_id`` known and holding nothing (a fresh registration)."""
         with self._lock:
             if node_id in self._by_node:
+                before = self._holders_now(self._by_node[node_id].items()) if self._sink else None
                 self._drop_entries(node_id)
+                if before is not None:
+                    self._report(before)
             self._by_node[node_id] = {}
             self._counts[node_id] = [0, 0, 0]
 
@@ -112,8 +133,11 @@ class PrefixIndex:
         with self._lock:
             if node_id not in self._by_node:
                 return False
+            before = self._holders_now(self._by_node[node_id].items()) if self._sink else None
             self._drop_entries(node_id)
             del self._by_node[node_id], self._counts[node_id]
+            if before is not None:
+                self._report(before)
             return True
 
     def has_node(self, node_id: str) -> bool:
@@ -127,8 +151,11 @@ class PrefixIndex:
         with self._lock:
             if node_id not in self._by_node:
                 return False
+            before = self._holders_now(_digests_of(checked)) if self._sink else None
             for namespace, events in checked:
                 self._apply_batch(node_id, namespace, events)
+            if before is not None:
+                self._report(before)
             return True
 
     def replace_inventory(self, node_id: str, batches: Iterable[Batch]) -> bool:
@@ -141,10 +168,37 @@ class PrefixIndex:
         with self._lock:
             if node_id not in self._by_node:
                 return False
+            before = (self._holders_now(chain(self._by_node[node_id].items(), _digests_of(checked)))
+                      if self._sink else None)
             self._drop_entries(node_id)
             for namespace, events in checked:
                 self._apply_batch(node_id, namespace, events)
+            if before is not None:
+                self._report(before)
             return True
+
+    def _holders_now(self, keys: Iterable[tuple[str, Iterable[bytes]]]) -> dict[str, dict[bytes, Holders]]:
+        """Under _lock: {namespace: {digest: holders}} of these keys, before a change (for _report)."""
+        out: dict[str, dict[bytes, Holders]] = {}
+        for namespace, digests in keys:
+            get = self._table.get(namespace, {}).get
+            now = {d: get(d, NO_HOLDERS) for d in digests}  # a digest twice: the same value, nothing changed yet
+            if namespace in out:
+                out[namespace].update(now)
+            else:
+                out[namespace] = now
+        return out
+
+    def _report(self, before: dict[str, dict[bytes, Holders]]) -> None:
+        """Under _lock: hand the keys whose holders differ from ``before`` to the sink."""
+        changes = []
+        for namespace, old in before.items():
+            get = self._table.get(namespace, {}).get
+            diff = [(d, h, new) for d, h in old.items() if (new := get(d, NO_HOLDERS)) != h]
+            if diff:
+                changes.append((namespace, diff))
+        if changes:
+            self._sink(changes, not self._table)
 
     def _apply_batch(self, node: str, namespace: str, events: list[Event]) -> None:
         """Under _lock: one namespace's events for one node."""
@@ -322,6 +376,11 @@ class PrefixIndex:
         with self._lock:
             c = self._counts.get(node_id)
             return c[DRAM] + c[SSD] if c else 0
+
+
+def _digests_of(batches: list[tuple[str, list[Event]]]):
+    """(namespace, digests) of checked batches."""
+    return ((namespace, (e[2] for e in events)) for namespace, events in batches)
 
 
 def _walk_prefix(get, digests: Sequence[bytes]) -> tuple[dict[str, int], int]:

@@ -10,9 +10,12 @@ resend their inventories (see kvstore.master.service).
 
 Threads: gRPC's pool runs the RPCs; one daemon thread ("master-expiry")
 drops nodes whose lease ran out, every min(heartbeat interval, ttl/4); the
-metrics server (when enabled) runs on its own daemon thread. Shared state
-lives in the domain objects, each with its own lock (order: Membership, then
-PrefixIndex).
+metrics server (when enabled) runs on its own daemon thread; with
+``kv_events`` (KVEventsOptions) the KV event publisher runs one more
+("master-kv-events", see kvstore.master.kv_events). Without it no ZMQ or
+msgspec module is loaded and the index reports its changes to no one.
+Shared state lives in the domain objects, each with its own lock (order:
+Membership, then PrefixIndex).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import grpc
 
 from kvstore.master.conductor_service import ConductorServicer, SchedulingOptions
 from kvstore.master.index import PrefixIndex
+from kvstore.master.kv_events import KVEventsOptions, open_publisher
 from kvstore.master.membership import Membership
 from kvstore.master.placement import Placement
 from kvstore.master.replicator import Replicator
@@ -49,7 +53,8 @@ class MasterServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl_s: float = DEFAULT_TTL_S,
                  heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S, replication_factor: int = 1,
                  metrics_port: int | None = None, max_workers: int = 8,
-                 clock: Callable[[], float] = time.monotonic, scheduling: SchedulingOptions | None = None):
+                 clock: Callable[[], float] = time.monotonic, scheduling: SchedulingOptions | None = None,
+                 kv_events: KVEventsOptions | None = None):
         if not 0 < heartbeat_interval_s < ttl_s:
             raise ConfigError(f"need 0 < heartbeat_interval_s < ttl_s, got {heartbeat_interval_s} and {ttl_s}")
         self.host, self._port, self._metrics_port = host, port, metrics_port
@@ -66,10 +71,23 @@ class MasterServer:
         self._metrics: MetricsServer | None = None
         self._stopping = threading.Event()
         self._sweeper: threading.Thread | None = None
+        self._kv_events_options = kv_events
+        self._kv_events = None  # the KVEventsPublisher while started with kv_events
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> MasterServer:
-        """Bind, start serving and sweeping; returns self. ConfigError if the port is taken."""
+        """Bind, start serving and sweeping; returns self. ConfigError if a port is taken."""
+        if self._kv_events_options is not None:  # first: the index is empty, and a bad endpoint starts nothing
+            self._kv_events = open_publisher(self._kv_events_options, self.index)
+        try:
+            self._start_serving()
+        except BaseException:
+            self._stop_kv_events()
+            raise
+        log.info("master listening on %s", self.address)
+        return self
+
+    def _start_serving(self) -> None:
         server = grpc.server(
             ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="master-rpc"),
             options=[("grpc.so_reuseport", 0),  # a second master on a busy port must fail, not share it
@@ -94,8 +112,6 @@ class MasterServer:
         self._sweeper.start()
         if self._metrics_port is not None:
             self._metrics = MetricsServer(self._metrics_port, self.collect_metrics, host=self.host)
-        log.info("master listening on %s", self.address)
-        return self
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop accepting RPCs, finish in-flight ones within ``grace`` seconds, stop the threads."""
@@ -109,7 +125,13 @@ class MasterServer:
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None
+        self._stop_kv_events()
         self.replicator.stop()
+
+    def _stop_kv_events(self) -> None:
+        if self._kv_events is not None:
+            self._kv_events.stop()
+            self._kv_events = None
 
     def _data_address(self, node_id: str) -> str | None:
         state = self.membership.get(node_id)
@@ -133,6 +155,16 @@ class MasterServer:
     @property
     def metrics_address(self) -> str | None:
         return self._metrics.address if self._metrics else None
+
+    @property
+    def kv_events_address(self) -> str | None:
+        """The KV events PUB endpoint as bound (None: no KV events)."""
+        return self._kv_events.endpoint if self._kv_events else None
+
+    @property
+    def kv_events_replay_address(self) -> str | None:
+        """The KV events replay ROUTER endpoint as bound (None: none)."""
+        return self._kv_events.replay_endpoint if self._kv_events else None
 
     def _sweep(self) -> None:
         while not self._stopping.wait(self._sweep_s):
@@ -163,13 +195,16 @@ class MasterServer:
         for (method, code), calls in sorted(self.servicer.rpc_counts().items()):
             samples.append(("kvstore_master_rpcs_total", "RPCs served, by method and status code.", "counter",
                             {"method": method, "code": code}, calls))
+        if self._kv_events is not None:
+            samples += self._kv_events.samples()
         return samples
 
 
 def run_master(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, ttl_s: float = DEFAULT_TTL_S,
                heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S, replication_factor: int = 1,
                metrics_port: int | None = None, grace_s: float = 2.0,
-               on_ready: Callable[[MasterServer], None] | None = None) -> None:
+               on_ready: Callable[[MasterServer], None] | None = None,
+               kv_events: KVEventsOptions | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then shut down cleanly. Blocks.
 
     Signal handlers are installed only when called from the main thread (and
@@ -180,7 +215,7 @@ def run_master(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, ttl_s: floa
 
     signals = service_process()
     server = MasterServer(host, port, ttl_s=ttl_s, heartbeat_interval_s=heartbeat_interval_s,
-                          replication_factor=replication_factor, metrics_port=metrics_port)
+                          replication_factor=replication_factor, metrics_port=metrics_port, kv_events=kv_events)
     try:
         server.start()
         if on_ready is not None:

@@ -1,0 +1,300 @@
+"""The KV event publisher: one thread that turns index changes into vLLM KVEventBatch messages on ZMQ.
+
+    publisher = KVEventsPublisher(KVEventsOptions("tcp://*:5557", "tcp://*:5558"), index).start()
+    publisher.endpoint, publisher.replay_endpoint   # as bound ("tcp://0.0.0.0:5557", ...)
+    publisher.stop()
+
+What is published, and why, is kvstore.master.kv_events's business; this is the
+mechanism. ``start`` binds the PUB (and replay ROUTER) socket, raising
+ConfigError if it cannot, and watches the index (its changes go to a bounded
+ChangeQueue). The thread "master-kv-events" owns both sockets: it waits on the
+queue's wake-up descriptor and the ROUTER in one poll, flushes every
+``flush_interval_s`` (or sooner when ``max_block_hashes`` changes wait), and
+serves replay requests from a ReplayBuffer. Its first flush is a resync
+(AllBlocksCleared, then whatever the index already holds), as is the first
+after changes were dropped. Imports pyzmq and msgspec: load it only when
+KV events are on (kv_events.open_publisher does).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from kvstore.master.index import NO_HOLDERS, PrefixIndex
+from kvstore.master.kv_events import (
+    CLEAR,
+    CLEARED,
+    REMOVED,
+    STORED,
+    Event,
+    KVEventsOptions,
+    append_events,
+    events_for,
+    split_events,
+)
+from kvstore.master.kv_events_buffers import ChangeQueue, ReplayBuffer
+from kvstore.master.kv_events_wire import Encoder
+from kvstore.metrics import Sample
+from kvstore_client.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
+_SNAPSHOT_PAGE = 4096
+_REPLAYS_PER_WAKE = 16  # replay requests served between flushes
+_LINGER_MS = 500  # at close, how long queued messages may still go out
+_MAX_ANNOUNCED = 100_000  # namespaces remembered for the per-namespace clears of a resync
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind ``endpoint``; the address actually bound (port 0 resolved)."""
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.bind(endpoint)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class KVEventsPublisher:
+    """Publishes a PrefixIndex's changes as vLLM KV events (see the module doc). Thread-safe."""
+
+    def __init__(self, options: KVEventsOptions, index: PrefixIndex):
+        self._options = options
+        self._index = index
+        self._queue = ChangeQueue(options.max_pending, wake_at=options.max_block_hashes)
+        self._buffer = ReplayBuffer(options.replay_messages, options.replay_bytes)
+        self._encoder = Encoder(options.hashes)
+        self._prefix = options.topic.encode()
+        self._ctx: zmq.Context | None = None
+        self._pub: zmq.Socket | None = None
+        self._router: zmq.Socket | None = None
+        self.endpoint: str | None = None
+        self.replay_endpoint: str | None = None
+        self._seq = 0
+        self._resync_due = True  # the first flush announces AllBlocksCleared and what the index holds
+        self._announced: set[str] = set()  # namespaces with blocks stored since the last resync or emptying
+        self._announced_full = False  # said once that _announced reached its bound
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        # counters: written by the publisher thread only, read by metrics scrapes
+        self._messages = 0
+        self._events = {STORED: 0, REMOVED: 0, CLEARED: 0}
+        self._blocks = {STORED: 0, REMOVED: 0}
+        self._resyncs = 0
+        self._replay_requests = 0
+        self._bad_requests = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> KVEventsPublisher:
+        """Bind the sockets (ConfigError if one cannot be bound), watch the index, start the thread."""
+        options = self._options
+        self._ctx = zmq.Context()
+        what = "--kv-events"
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, options.hwm)
+            self._pub.setsockopt(zmq.LINGER, _LINGER_MS)
+            self.endpoint = _bind(self._pub, options.endpoint)
+            if options.replay_endpoint is not None:
+                what = "--kv-events-replay"
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.SNDHWM, options.replay_messages + 1)  # a whole replay, end marker too
+                self._router.setsockopt(zmq.LINGER, 0)
+                self.replay_endpoint = _bind(self._router, options.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            self._queue.close()
+            endpoint = options.endpoint if what == "--kv-events" else options.replay_endpoint
+            raise ConfigError(f"{what} cannot bind {endpoint}: {exc}") from None
+        self._index.watch(self._queue.offer)
+        self._thread = threading.Thread(target=self._run, name="master-kv-events", daemon=True)
+        self._thread.start()
+        log.info("KV events on %s%s", self.endpoint,
+                 f", replay on {self.replay_endpoint}" if self.replay_endpoint else "")
+        return self
+
+    def stop(self) -> None:
+        """Stop watching, publish what is queued, close the sockets (idempotent)."""
+        self._index.watch(None)
+        self._stopping.set()
+        if self._thread is not None:
+            self._queue.wake()
+            self._thread.join(timeout=10)
+            if self._thread.is_alive():
+                log.warning("KV event publisher did not stop within 10 s")
+                return
+            self._thread = None
+        self._close_sockets()
+        self._queue.close()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                sock.close()
+        self._pub = self._router = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # -- the thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        wake_fd = self._queue.fileno()
+        poller.register(wake_fd, zmq.POLLIN)
+        if self._router is not None:
+            poller.register(self._router, zmq.POLLIN)
+        interval = self._options.flush_interval_s
+        next_flush = time.monotonic()
+        while True:
+            timeout_ms = max(0.0, next_flush - time.monotonic()) * 1000
+            try:
+                ready = dict(poller.poll(timeout_ms))
+                if self._router is not None and self._router in ready:
+                    try:
+                        self._serve_replays()
+                    except zmq.ZMQError as exc:  # one requester's trouble; the stream goes on
+                        log.warning("KV event replay failed: %s", exc)
+                stopping = self._stopping.is_set()
+                if stopping or wake_fd in ready or time.monotonic() >= next_flush:
+                    self._flush()
+                    next_flush = time.monotonic() + interval
+                if stopping:
+                    return
+            except Exception:  # keep publishing whatever happens; what was taken is lost: resync
+                log.exception("KV event publisher failed; resyncing subscribers on the next flush")
+                self._resync_due = True
+                if self._stopping.wait(0.1):
+                    return
+
+    def _flush(self) -> None:
+        items, overflowed = self._queue.take()
+        if overflowed:
+            log.warning("KV event queue full (%d changes): dropped changes (%d since start); "
+                        "resyncing subscribers (AllBlocksCleared, then every block)",
+                        self._options.max_pending, self._queue.dropped)
+        if overflowed or self._resync_due:
+            self._resync_due = False
+            self._resync()
+        by_namespace: dict[str, list[Event]] = {}
+        for changes, emptied in items:
+            for namespace, diff in changes:
+                append_events(by_namespace.setdefault(namespace, []), events_for(diff))
+            if emptied:  # the clear comes after the removals that emptied the index, before what follows
+                self._publish(by_namespace)
+                by_namespace = {}
+                self._send(self._prefix, [CLEAR])
+                self._announced.clear()
+        self._publish(by_namespace)
+
+    def _resync(self) -> None:
+        """AllBlocksCleared on the bare topic and on each namespace a subscriber may hold blocks of,
+        then BlockStored for every block the index holds now."""
+        self._resyncs += 1
+        index = self._index
+        namespaces = index.namespaces()
+        self._send(self._prefix, [CLEAR])
+        for namespace in sorted(self._announced.union(namespaces)):
+            self._send(self._prefix + namespace.encode(), [CLEAR])
+        self._announced = set(namespaces[:_MAX_ANNOUNCED])
+        for namespace in namespaces:
+            start_after = b""
+            while True:
+                page = index.list_keys(namespace, _SNAPSHOT_PAGE, start_after)
+                if page:
+                    self._publish({namespace: events_for([(d, NO_HOLDERS, h) for _, d, h in page])})
+                if len(page) < _SNAPSHOT_PAGE:
+                    break
+                start_after = page[-1][1]
+
+    def _publish(self, by_namespace: dict[str, list[Event]]) -> None:
+        for namespace, events in by_namespace.items():
+            if events:
+                self._note_announced(namespace, events)
+                topic = self._prefix + namespace.encode()
+                for message in split_events(events, self._options.max_block_hashes):
+                    self._send(topic, message)
+
+    def _note_announced(self, namespace: str, events: list[Event]) -> None:
+        if namespace in self._announced or not any(kind == STORED for kind, _, _ in events):
+            return
+        if len(self._announced) < _MAX_ANNOUNCED:
+            self._announced.add(namespace)
+        elif not self._announced_full:
+            self._announced_full = True
+            log.warning("more than %d namespaces: after a resync, subscribers filtering the later ones may keep "
+                        "blocks removed while changes were dropped", _MAX_ANNOUNCED)
+
+    def _send(self, topic: bytes, events: list[Event]) -> None:
+        payload = self._encoder.encode(time.time(), events)
+        seq = self._seq
+        self._seq += 1
+        try:
+            self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        except zmq.Again:  # PUB drops for slow subscribers rather than block; this is the same
+            pass
+        self._buffer.add(seq, topic, payload)
+        self._messages += 1
+        for kind, _medium, digests in events:
+            self._events[kind] += 1
+            if kind != CLEARED:
+                self._blocks[kind] += len(digests)
+
+    def _serve_replays(self) -> None:
+        """Answer waiting replay requests as vLLM's publisher does (see kvstore.master.kv_events)."""
+        router = self._router
+        for _ in range(_REPLAYS_PER_WAKE):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._replay_requests += 1
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                self._bad_requests += 1
+                if self._bad_requests == 1:
+                    log.warning("bad KV event replay request (%d frames): expected identity, empty frame, "
+                                "8-byte big-endian start sequence number (later ones only counted)", len(frames))
+                if len(frames) >= 2:  # let a waiting client stop waiting
+                    self._reply(frames[0], b"", END_SEQ, b"")
+                continue
+            identity, _, start = frames
+            for seq, topic, payload in self._buffer.since(int.from_bytes(start, "big")):
+                if not self._reply(identity, topic, seq.to_bytes(8, "big"), payload):
+                    break
+            self._reply(identity, b"", END_SEQ, b"")
+
+    def _reply(self, identity: bytes, topic: bytes, seq: bytes, payload: bytes) -> bool:
+        try:
+            # copy=False: the frames share the buffered payload instead of copying it per requester
+            self._router.send_multipart((identity, b"", topic, seq, payload), flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+    # -- metrics ------------------------------------------------------------------------------
+    def samples(self) -> list[Sample]:
+        """Prometheus samples of the publisher (the master adds them to its own)."""
+        samples: list[Sample] = [
+            ("kvstore_master_kv_events_messages_total", "KVEventBatch messages published on the KV events socket.",
+             "counter", {}, self._messages)]
+        samples += [("kvstore_master_kv_events_total", "KV events published, by type.", "counter", {"type": t}, n)
+                    for t, n in self._events.items()]
+        samples += [("kvstore_master_kv_events_blocks_total", "Block hashes announced, by event type.", "counter",
+                     {"type": t}, n) for t, n in self._blocks.items()]
+        samples += [
+            ("kvstore_master_kv_events_dropped_total",
+             "Index changes dropped because the KV event queue was full (each drop is followed by a resync).",
+             "counter", {}, self._queue.dropped),
+            ("kvstore_master_kv_events_resyncs_total",
+             "Times the whole index was republished (AllBlocksCleared, then every block): at start and after drops.",
+             "counter", {}, self._resyncs),
+            ("kvstore_master_kv_events_queued", "Index changes waiting to be published.", "gauge", {},
+             self._queue.pending),
+            ("kvstore_master_kv_events_replay_requests_total", "Replay requests received (malformed ones too).",
+             "counter", {}, self._replay_requests),
+            ("kvstore_master_kv_events_replay_buffer_messages", "Messages kept for replay.", "gauge", {},
+             len(self._buffer)),
+        ]
+        return samples
