@@ -144,7 +144,7 @@ def kv_events_options(f):
                      help="Also bind vLLM's replay ROUTER socket here (missed messages from a sequence number)."),
         click.option("--kv-events-topic", default="", metavar="PREFIX",
                      help="Fixed prefix in front of each message's topic (the namespace)."),
-        click.option("--kv-events-hashes", type=click.Choice(["bytes", "int64"]), default="bytes",
+        click.option("--kv-events-hashes", type=click.Choice(["bytes", "int64"]), default="int64",
                      show_default=True,
                      help="Block hashes as the digests' bytes, or as vLLM's int form (low 64 bits, big-endian: "
                           "what vLLM emits by default and Dynamo decodes)."),

@@ -309,7 +309,7 @@ def pool_state(client, namespaces) -> dict:
 
 def test_dropped_changes_are_followed_by_a_resync():
     index = PrefixIndex()
-    options = KVEventsOptions("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic=PREFIX, max_pending=3,
+    options = KVEventsOptions("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic=PREFIX, hashes="bytes", max_pending=3,
                               flush_interval_s=0.02)
     publisher = open_publisher(options, index)
     gone, kept = (PREFIX + "gone").encode(), (PREFIX + "ns").encode()
@@ -392,7 +392,7 @@ def stream(tmp_path_factory):
     from kvstore_client import Client
 
     master = start_master(ttl=1.0, extra=("--kv-events", "tcp://127.0.0.1:0", "--kv-events-replay",
-                                          "tcp://127.0.0.1:0", "--kv-events-topic", PREFIX))
+                                          "tcp://127.0.0.1:0", "--kv-events-topic", PREFIX, "--kv-events-hashes", "bytes"))
     everything = Subscriber(master.record["kv_events"])
     one = Subscriber(master.record["kv_events"], PREFIX + NS1)
     node = None

@@ -81,6 +81,8 @@ class LayerwiseTransfers:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""
         self.finish_loads()
         failed, self._failed_blocks = self._failed_blocks, set()
+        if failed:
+            log.warning("kvstore: %d blocks could not be loaded from the pool: vLLM recomputes them", len(failed))
         return failed
 
     def _load(self, loads: list[BlockTransfer], events: list[threading.Event]) -> None:

@@ -14,11 +14,11 @@ the flag is given.
 Semantics, seen from a router:
 
 - One block is one pool key (namespace, digest). ``block_hashes`` carry the
-  digests as bytes (vLLM's connector stores vLLM's own sha256 block hashes, 32
-  bytes) or, with ``--kv-events-hashes int64``, as vLLM's int form (the low 64
-  bits of the big-endian digest: vLLM's default ``VLLM_KV_EVENTS_USE_INT_BLOCK_
-  HASHES=1``, and what Dynamo's decoder reads), so a router can join the pool's
-  events with the engines'.
+  digests in vLLM's int form by default (the low 64 bits of the big-endian
+  digest: what vLLM emits with its default ``VLLM_KV_EVENTS_USE_INT_BLOCK_
+  HASHES=1``, and what Dynamo's decoder reads), or as the digests' bytes with
+  ``--kv-events-hashes bytes`` (vLLM's connector stores vLLM's own sha256 block
+  hashes, 32 bytes), so a router can join the pool's events with the engines'.
 - Topic = ``--kv-events-topic`` (a fixed prefix, default empty) + the namespace,
   one KVEventBatch per namespace per flush (split at ``max_block_hashes``).
   ZMQ's own prefix SUBSCRIBE filters: one namespace (e.g. one attention layer's
@@ -116,7 +116,7 @@ class KVEventsOptions:
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""  # prefix in front of every namespace
-    hashes: str = "bytes"  # or "int64"
+    hashes: str = "int64"  # or "bytes"; int64 is vLLM's default form
     flush_interval_s: float = 0.05
     max_block_hashes: int = 4096  # per message; more are split over several
     max_pending: int = 1_000_000  # index changes queued for the publisher; more are dropped (then a resync)

@@ -1,0 +1,163 @@
+"""A real vLLM engine in a process of its own, driven over stdin/stdout, for tests and benchmarks.
+
+``python -m bench.vllm_engine --model DIR [--master HOST:PORT] ...`` starts one engine
+(``LLM``, tokenizer skipped, eager mode), prints ``{"ready": true, ...}``, then answers each
+JSON line it reads::
+
+    {"prompts": [[1, 2, ...], ...], "max_tokens": 8, "logprobs": 2}
+
+with one JSON line: per prompt the output token ids, the top logprobs of each output token,
+``num_cached_tokens`` (vLLM's count of prompt tokens it did not compute: its own prefix
+cache plus what the connector loaded) and the seconds ``generate`` took for the batch. It
+exits at end of input. ``make_llama`` writes a small random Llama for it to load (no hub).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def make_llama(path: str, *, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+               intermediate: int | None = None, vocab: int = 1000, max_positions: int = 8192, seed: int = 0,
+               init_scale: float = 0.1) -> str:
+    """Save a randomly initialised Llama of this shape at ``path`` (safetensors, fp32).
+
+    ``init_scale`` (the weights' standard deviation) is well above a trained model's 0.02 so
+    that attention is peaked and the next token depends on the context: wrong KV shows."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=max_positions, initializer_range=init_scale,
+                         torch_dtype="float32")
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def connector_config(master: str, *, role: str = "kv_both", **extra) -> dict:
+    """The ``kv_transfer_config`` that attaches kvstore's connector to a pool at ``master``."""
+    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore_client.vllm",
+            "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"master": master, **extra}}
+
+
+def build_engine(args: argparse.Namespace):
+    from vllm import LLM
+
+    kv_transfer_config = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None
+    if args.master:
+        kv_transfer_config = connector_config(args.master, role=args.role, **json.loads(args.extra or "{}"))
+    return LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.1,
+               block_size=args.block_size, dtype=args.dtype, max_model_len=args.max_model_len,
+               enable_prefix_caching=not args.no_prefix_caching, prefix_caching_hash_algo=args.hash_algo,
+               kv_transfer_config=kv_transfer_config,
+               seed=0)
+
+
+def answer(llm, job: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=job.get("max_tokens", 8), temperature=0, logprobs=job.get("logprobs", 1),
+                            ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "outputs": [
+        {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+         "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])]}
+        for o in outputs]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    parser.add_argument("--master", help="attach kvstore's connector to the pool at this master")
+    parser.add_argument("--role", default="kv_both")
+    parser.add_argument("--extra", help="more kv_connector_extra_config keys, as JSON")
+    parser.add_argument("--kv-transfer-config", help="a whole kv_transfer_config as JSON (another connector)")
+    parser.add_argument("--hash-algo", default="sha256", help="vLLM's --prefix-caching-hash-algo")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn vLLM's own prefix cache off")
+    args = parser.parse_args(argv)
+    out = os.fdopen(os.dup(1), "w")  # answers only: vLLM's own output goes to stderr
+    os.dup2(2, 1)
+    start = time.perf_counter()
+    llm = build_engine(args)
+    out.write(json.dumps({"ready": True, "pid": os.getpid(), "start_seconds": time.perf_counter() - start}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        if line.strip():
+            out.write(json.dumps(answer(llm, json.loads(line))) + "\n")
+            out.flush()
+
+
+class EngineProcess:
+    """The parent's handle on one engine process: ``ask(job)`` sends a job and returns the answer.
+
+    The engine's own output goes to ``log_path``; ``close`` ends it (stdin closed, then killed
+    if it lingers)."""
+
+    def __init__(self, args: list[str], log_path: str, *, env: dict | None = None, start_timeout: float = 300):
+        import subprocess
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ if env is None else env)
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.vllm_engine", *args], cwd=root, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.ready = self._read(start_timeout)
+
+    def _read(self, timeout: float) -> dict:
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            with open(self.log_path) as f:
+                tail = f.read()[-4000:]
+            code = self.proc.poll()
+            said = f"exited with {code}" if code is not None else f"gave no answer within {timeout:.0f} s"
+            raise RuntimeError(f"engine {said}:\n{tail}")
+        return json.loads(line)
+
+    def ask(self, job: dict, timeout: float = 300) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def close(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self._log.close()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""KVStoreConnector with real vLLM engines (CPU build), each in a process of its own, against a
+real pool: a fresh engine loads what another stored and answers exactly as a plain engine."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from bench.vllm_engine import EngineProcess, make_llama  # noqa: E402
+from kvstore_client import Client  # noqa: E402
+from tests.processes import start_master, start_node  # noqa: E402
+
+_rng = random.Random(1)
+PROMPTS = [[_rng.randrange(1, 1000) for _ in range(n)] for n in (450, 610)]
+JOB = {"prompts": PROMPTS, "max_tokens": 8, "logprobs": 3}
+LOGPROB_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make_llama(str(tmp_path_factory.mktemp("llama")), hidden=128, layers=2, heads=4, kv_heads=2,
+                      max_positions=4096)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    master = start_master(ttl=60.0)
+    node = start_node(master.record["master"], tmp_path_factory.mktemp("node"), dram="128MiB", ssd="0")
+    yield {"master": master, "node": node, "address": master.record["master"]}
+    node.close()
+    master.close()
+
+
+class Engines:
+    """Starts engine processes for one test and ends every one of them after it."""
+
+    def __init__(self, model: str, log_dir):
+        self.model, self.log_dir, self.started = model, log_dir, []
+
+    def start(self, *, dtype: str = "float32", block_size: int = 32, master: str | None = None,
+              namespace: str | None = None, role: str = "kv_both", env: dict | None = None,
+              extra_args: tuple = ()) -> EngineProcess:
+        args = ["--model", self.model, "--dtype", dtype, "--block-size", str(block_size), *extra_args]
+        if master:
+            args += ["--master", master, "--role", role]
+            if namespace:
+                args += ["--extra", f'{{"namespace": "{namespace}"}}']
+        engine = EngineProcess(args, str(self.log_dir / f"engine{len(self.started)}.log"), env=env)
+        self.started.append(engine)
+        return engine
+
+    def close(self) -> None:
+        for engine in self.started:
+            engine.close()
+
+
+@pytest.fixture
+def engines(model, tmp_path):
+    started = Engines(model, tmp_path)
+    yield started
+    started.close()
+
+
+_references: dict[str, dict] = {}
+
+
+def reference(engines: Engines, dtype: str) -> dict:
+    """What a plain engine (no connector) answers to JOB, once per dtype."""
+    if dtype not in _references:
+        with engines.start(dtype=dtype) as plain:
+            _references[dtype] = plain.ask(JOB)
+    return _references[dtype]
+
+
+def assert_same_answers(got: dict, want: dict, dtype: str) -> None:
+    for g, w in zip(got["outputs"], want["outputs"], strict=True):
+        assert g["tokens"] == w["tokens"]
+        for g_step, w_step in zip(g["logprobs"], w["logprobs"], strict=True):
+            assert g_step.keys() == w_step.keys()
+            for token, logprob in w_step.items():
+                assert g_step[token] == pytest.approx(logprob, abs=LOGPROB_TOLERANCE[dtype])
+
+
+def loadable(prompt: list[int], block_size: int) -> int:
+    """Tokens of a prompt's full blocks that may come from the pool (vLLM computes at least one)."""
+    return (len(prompt) - 1) // block_size * block_size
+
+
+@pytest.mark.parametrize("block_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_fresh_engine_loads_the_prefix_another_engine_stored(engines, pool, dtype, block_size):
+    want = reference(engines, dtype)
+    namespace = f"fresh-{dtype}-{block_size}"
+    with engines.start(dtype=dtype, block_size=block_size, master=pool["address"], namespace=namespace) as producer:
+        stored = producer.ask(JOB)
+    assert [o["cached"] for o in stored["outputs"]] == [0, 0]
+    assert_same_answers(stored, want, dtype)  # the connector on a miss changes nothing
+    with engines.start(dtype=dtype, block_size=block_size, master=pool["address"], namespace=namespace) as consumer:
+        loaded = consumer.ask(JOB)
+    assert [o["cached"] for o in loaded["outputs"]] == [loadable(p, block_size) for p in PROMPTS]
+    assert_same_answers(loaded, want, dtype)
+
+
+def test_the_default_multiprocess_engine_loads_from_the_pool(engines, pool):
+    want = reference(engines, "float32")
+    with engines.start(master=pool["address"], namespace="multiprocess") as producer:
+        producer.ask(JOB)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    with engines.start(master=pool["address"], namespace="multiprocess", env=env) as consumer:
+        loaded = consumer.ask(JOB)
+    assert [o["cached"] for o in loaded["outputs"]] == [loadable(p, 32) for p in PROMPTS]
+    assert_same_answers(loaded, want, "float32")
+
+
+def test_two_engines_share_one_pool_at_the_same_time(engines, pool):
+    want = reference(engines, "float32")
+    first, second = (engines.start(master=pool["address"], namespace="shared") for _ in range(2))
+    one, other = ({"prompts": [p], "max_tokens": 8, "logprobs": 3} for p in PROMPTS)
+    answers: dict = {}
+    threads = [threading.Thread(target=lambda: answers.update(a=first.ask(one))),
+               threading.Thread(target=lambda: answers.update(b=second.ask(other)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # each now asks for what the other stored, while both run
+    threads = [threading.Thread(target=lambda: answers.update(c=first.ask(other))),
+               threading.Thread(target=lambda: answers.update(d=second.ask(one)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers["a"]["outputs"][0]["cached"] == answers["b"]["outputs"][0]["cached"] == 0
+    assert answers["c"]["outputs"][0]["cached"] == loadable(PROMPTS[1], 32)
+    assert answers["d"]["outputs"][0]["cached"] == loadable(PROMPTS[0], 32)
+    for name, index in (("a", 0), ("b", 1), ("c", 1), ("d", 0)):
+        assert_same_answers(answers[name], {"outputs": [want["outputs"][index]]}, "float32")
+
+
+def test_blocks_lost_between_lookup_and_load_are_recomputed(engines, pool):
+    """The lookup finds a prompt's last layer whole, but the first layer of some blocks is
+    gone (evicted): the load fails for those, vLLM recomputes from the first, the answer holds."""
+    want = reference(engines, "float32")
+    with engines.start(master=pool["address"], namespace="lost") as producer:
+        producer.ask(JOB)
+    with Client(pool["address"]) as client:
+        first_layer = [ns for ns in client.list_keys(limit=1).namespaces
+                       if ns.startswith("lost/") and ns.endswith("/layer0")]
+        assert len(first_layer) == 1
+        keys = [(k.namespace, k.digest) for k in client.list_keys(first_layer[0], limit=100000).keys]
+        assert len(keys) == sum(len(p) // 32 for p in PROMPTS)
+        lost = keys[::3]
+        for key in lost:
+            assert client.remove(key)
+    with engines.start(master=pool["address"], namespace="lost") as consumer:
+        loaded = consumer.ask(JOB)
+        again = consumer.ask(JOB)  # the engine goes on serving, from its own cache now
+    assert_same_answers(loaded, want, "float32")
+    assert_same_answers(again, want, "float32")
+    with open(consumer.log_path) as log:
+        assert f"kvstore: {len(lost)} blocks could not be loaded from the pool: vLLM recomputes them" in log.read()
+
+
+def test_a_node_killed_between_lookup_and_load_means_recompute_not_a_hang(engines, tmp_path):
+    """The master still lists the dead node's blocks (its TTL has not run out): every load
+    fails, vLLM recomputes, and saves to the dead node fail without failing requests."""
+    want = reference(engines, "float32")
+    master = start_master(ttl=120.0)
+    node = start_node(master.record["master"], tmp_path / "node", dram="64MiB", ssd="0")
+    try:
+        with engines.start(master=master.record["master"], namespace="killed") as producer:
+            producer.ask(JOB)
+        consumer = engines.start(master=master.record["master"], namespace="killed")
+        node.kill()
+        loaded = consumer.ask(JOB, timeout=120)
+        # vLLM counts the hit the lookup promised; every block of it failed and was recomputed
+        assert [o["cached"] for o in loaded["outputs"]] == [loadable(p, 32) for p in PROMPTS]
+        assert_same_answers(loaded, want, "float32")
+        assert_same_answers(consumer.ask(JOB, timeout=120), want, "float32")
+        consumer.close()
+        blocks = sum(loadable(p, 32) for p in PROMPTS) // 32
+        with open(consumer.log_path) as log:
+            assert f"kvstore: {blocks} blocks could not be loaded from the pool: vLLM recomputes them" in log.read()
+    finally:
+        node.close()
+        master.close()
+
+
+def test_roles_a_consumer_only_loads_and_a_producer_only_saves(engines, pool):
+    want = reference(engines, "float32")
+    with engines.start(master=pool["address"], namespace="roles", role="kv_consumer") as consumer:
+        assert [o["cached"] for o in consumer.ask(JOB)["outputs"]] == [0, 0]
+    with Client(pool["address"]) as client:
+        assert not [ns for ns in client.list_keys(limit=1).namespaces if ns.startswith("roles/")]
+    with engines.start(master=pool["address"], namespace="roles", role="kv_producer") as producer:
+        assert [o["cached"] for o in producer.ask(JOB)["outputs"]] == [0, 0]
+        again = producer.ask(JOB)  # vLLM's own cache hits; the pool is never read
+    assert [o["cached"] for o in again["outputs"]] == [loadable(p, 32) for p in PROMPTS]
+    with engines.start(master=pool["address"], namespace="roles", role="kv_consumer") as consumer:
+        loaded = consumer.ask(JOB)
+    assert [o["cached"] for o in loaded["outputs"]] == [loadable(p, 32) for p in PROMPTS]
+    assert_same_answers(loaded, want, "float32")
+
+
+def test_an_unseeded_xxhash_engine_refuses_to_start_with_a_clear_message(engines, pool):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    with pytest.raises(RuntimeError, match="PYTHONHASHSEED"):
+        engines.start(master=pool["address"], env=env, extra_args=("--hash-algo", "xxhash"))

@@ -1,0 +1,127 @@
+"""The connector's worker-side mover against a real pool, on torch tensors shaped like vLLM's
+CPU KV caches ([blocks, heads, tokens, 2 x head size] per layer), without an engine."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvstore_client import Client  # noqa: E402
+from kvstore_client.vllm.naming import KVLayout, PoolNaming  # noqa: E402
+from kvstore_client.vllm.plans import BlockTransfer  # noqa: E402
+from kvstore_client.vllm.transfer import LayerwiseTransfers  # noqa: E402
+from tests.processes import start_master, start_node, wait_for  # noqa: E402
+
+LAYERS, BLOCKS, SHAPE = 3, 8, (2, 4, 16)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    master = start_master(ttl=30.0)
+    node = start_node(master.record["master"], tmp_path_factory.mktemp("node"))
+    yield master.record["master"]
+    node.close()
+    master.close()
+
+
+def naming(tag: str) -> PoolNaming:
+    layout = KVLayout(model=tag, revision="", kv_dtype="float32", block_size=4, num_kv_heads=2, head_size=8,
+                      num_layers=LAYERS, tp_size=1, device="cpu", hash_algo="sha256")
+    return PoolNaming("test", layout)
+
+
+def kv_caches(fill: str = "random") -> list:
+    make = torch.randn if fill == "random" else torch.zeros
+    return [make(BLOCKS, *SHAPE) for _ in range(LAYERS)]
+
+
+def digests(n: int, tag: str = "h") -> list[bytes]:
+    return [f"{tag}-{i}".encode() for i in range(n)]
+
+
+def save_all(transfers: LayerwiseTransfers, saves: list[BlockTransfer]) -> None:
+    for layer in range(LAYERS):
+        transfers.save_layer(layer, saves)
+    transfers.finish_saves()
+
+
+def indexed(client: Client, names: PoolNaming, hashes: list[bytes]) -> None:
+    """Wait until the master's index has every layer of ``hashes`` (it follows the nodes' reports)."""
+    for layer in range(LAYERS):
+        wait_for(lambda: client.match_prefix(names.keys(layer, hashes)).longest == len(hashes))
+
+
+def load_all(transfers: LayerwiseTransfers, loads: list[BlockTransfer]) -> set[int]:
+    transfers.start_loads(loads)
+    for layer in range(LAYERS):
+        transfers.wait_layer(layer)
+    return transfers.take_load_failures()
+
+
+def test_blocks_saved_by_one_engine_load_into_other_block_ids_of_another(pool):
+    names, hashes = naming("roundtrip"), digests(3)
+    source, target = kv_caches(), kv_caches("zeros")
+    with Client(pool) as writer, Client(pool) as reader:
+        saver = LayerwiseTransfers(writer, names, source)
+        save_all(saver, [BlockTransfer("a", [1, 3, 5], hashes, 0)])
+        assert saver.stats.saved == 3 * LAYERS and saver.stats.save_failures == 0
+        indexed(reader, names, hashes)
+        loader = LayerwiseTransfers(reader, names, target)
+        assert load_all(loader, [BlockTransfer("b", [2, 4, 6], hashes, 0)]) == set()
+        for layer in range(LAYERS):
+            for src, dst in ((1, 2), (3, 4), (5, 6)):
+                assert torch.equal(source[layer][src], target[layer][dst])
+            assert not target[layer][0].any() and not target[layer][7].any()  # nothing else written
+        saver.close()
+        loader.close()
+
+
+def test_a_block_missing_in_any_layer_is_a_load_error_and_the_rest_load(pool):
+    names, hashes = naming("missing"), digests(4, "m")
+    source, target = kv_caches(), kv_caches("zeros")
+    with Client(pool) as client:
+        transfers = LayerwiseTransfers(client, names, source)
+        save_all(transfers, [BlockTransfer("a", [0, 1, 2], hashes[:3], 0)])
+        assert client.remove(names.keys(1, [hashes[1]])[0])  # block 1 lost its middle layer
+        loader = LayerwiseTransfers(client, names, target)
+        failed = load_all(loader, [BlockTransfer("b", [4, 5, 6, 7], hashes, 0)])
+        assert failed == {5, 7}  # hashes[1] (layer 1 gone) and hashes[3] (never stored)
+        assert loader.stats.load_failures == 2
+        assert all(torch.equal(source[layer][0], target[layer][4]) for layer in range(LAYERS))
+        assert all(torch.equal(source[layer][2], target[layer][6]) for layer in range(LAYERS))
+        assert loader.take_load_failures() == set()  # reported once
+        transfers.close()
+        loader.close()
+
+
+def test_a_stored_value_of_another_size_is_never_loaded_as_a_block(pool):
+    names, hashes = naming("sizes"), digests(1, "s")
+    target = kv_caches("zeros")
+    with Client(pool) as client:
+        slab = target[0][0].nbytes
+        for layer in range(LAYERS):
+            client.put(names.keys(layer, hashes)[0], b"\x01" * (slab // 2))
+        loader = LayerwiseTransfers(client, names, target)
+        assert load_all(loader, [BlockTransfer("b", [3], hashes, 0)]) == {3}
+        loader.close()
+
+
+def test_an_unreachable_pool_fails_every_load_and_save_without_hanging_or_raising():
+    names = naming("down")
+    with Client("127.0.0.1:1", timeout=1.0) as client:
+        transfers = LayerwiseTransfers(client, names, kv_caches())
+        save_all(transfers, [BlockTransfer("a", [0, 1], digests(2), 0)])
+        assert transfers.stats.save_failures == 2 * LAYERS
+        assert load_all(transfers, [BlockTransfer("b", [2, 3], digests(2), 0)]) == {2, 3}
+        transfers.close()
+
+
+def test_waiting_with_nothing_to_load_returns_at_once(pool):
+    with Client(pool) as client:
+        transfers = LayerwiseTransfers(client, naming("idle"), kv_caches())
+        transfers.start_loads([])
+        transfers.wait_layer(LAYERS - 1)
+        transfers.finish_saves()
+        assert transfers.take_load_failures() == set()
+        transfers.close()
