@@ -54,7 +54,8 @@ def build_engine(args: argparse.Namespace):
     if args.master:
         kv_transfer_config = connector_config(args.master, role=args.role, **json.loads(args.extra or "{}"))
     return LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.1,
-               block_size=args.block_size, dtype=args.dtype, max_model_len=args.max_model_len,
+               kv_cache_memory_bytes=args.kv_cache_bytes, block_size=args.block_size, dtype=args.dtype,
+               max_model_len=args.max_model_len,
                enable_prefix_caching=not args.no_prefix_caching, prefix_caching_hash_algo=args.hash_algo,
                kv_transfer_config=kv_transfer_config,
                seed=0)
@@ -70,10 +71,20 @@ def answer(llm, job: dict) -> dict:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "outputs": [
+    return {"seconds": seconds, "connector": connector_stats(), "outputs": [
         {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
          "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])]}
         for o in outputs]}
+
+
+def connector_stats() -> dict | None:
+    """What kvstore's connector in this process moved so far (the engine runs in-process), or None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    stats = getattr(get_kv_transfer_group(), "transfer_stats", lambda: None)()
+    return None if stats is None else dict(vars(stats))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--role", default="kv_both")
     parser.add_argument("--extra", help="more kv_connector_extra_config keys, as JSON")
     parser.add_argument("--kv-transfer-config", help="a whole kv_transfer_config as JSON (another connector)")
+    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (default: vLLM's choice)")
     parser.add_argument("--hash-algo", default="sha256", help="vLLM's --prefix-caching-hash-algo")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn vLLM's own prefix cache off")
     args = parser.parse_args(argv)

@@ -69,6 +69,7 @@ def test_blocks_saved_by_one_engine_load_into_other_block_ids_of_another(pool):
         indexed(reader, names, hashes)
         loader = LayerwiseTransfers(reader, names, target)
         assert load_all(loader, [BlockTransfer("b", [2, 4, 6], hashes, 0)]) == set()
+        assert loader.stats.loaded_bytes == 3 * LAYERS * source[0][0].nbytes and loader.stats.load_seconds > 0
         for layer in range(LAYERS):
             for src, dst in ((1, 2), (3, 4), (5, 6)):
                 assert torch.equal(source[layer][src], target[layer][dst])

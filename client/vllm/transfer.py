@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,12 +33,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TransferStats:
-    """Blocks (one layer each) moved and failed since start, for logs and tests."""
+    """Blocks (one layer each) moved and failed since start, the bytes loaded and the seconds the
+    loader spent on them (one step's loads, first layer to last), for logs and benchmarks."""
 
     loaded: int = 0
     load_failures: int = 0
     saved: int = 0
     save_failures: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
 
 
 class LayerwiseTransfers:
@@ -87,6 +91,7 @@ class LayerwiseTransfers:
 
     def _load(self, loads: list[BlockTransfer], events: list[threading.Event]) -> None:
         todo = [(block_id, h) for t in loads for block_id, h in zip(t.block_ids, t.hashes)]
+        start = time.perf_counter()
         try:
             for layer, tensor in enumerate(self._layers):
                 try:
@@ -96,6 +101,7 @@ class LayerwiseTransfers:
         finally:
             for event in events:  # a failure above must not leave attention waiting
                 event.set()
+            self.stats.load_seconds += time.perf_counter() - start
 
     def _load_layer(self, layer: int, tensor, todo: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         """Load one layer of the blocks still good; the blocks still good after it."""
@@ -116,6 +122,7 @@ class LayerwiseTransfers:
             else:
                 kept.append((block_id, h))
         self.stats.loaded += len(kept)
+        self.stats.loaded_bytes += len(kept) * slab_bytes
         self.stats.load_failures += len(todo) - len(kept)
         return kept
 
