@@ -117,9 +117,11 @@ class EngineProcess:
     """The parent's handle on one engine process: ``ask(job)`` sends a job and returns the answer.
 
     The engine's own output goes to ``log_path``; ``close`` ends it (stdin closed, then killed
-    if it lingers)."""
+    if it lingers). ``python`` runs it under another environment's interpreter (another
+    connector's, e.g. ``bench.peers``): this module needs only vLLM there, not kvstore."""
 
-    def __init__(self, args: list[str], log_path: str, *, env: dict | None = None, start_timeout: float = 300):
+    def __init__(self, args: list[str], log_path: str, *, env: dict | None = None, start_timeout: float = 300,
+                 python: str | None = None):
         import subprocess
 
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,7 +130,7 @@ class EngineProcess:
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.vllm_engine", *args], cwd=root, env=env,
+        self.proc = subprocess.Popen([python or sys.executable, "-m", "bench.vllm_engine", *args], cwd=root, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
         self.ready = self._read(start_timeout)
 

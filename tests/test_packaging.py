@@ -32,8 +32,8 @@ def test_only_namespaced_top_level_modules(wheel_names):
 def test_every_package_folder_is_shipped(wheel_names):
     for init in (ROOT / "kvstore").rglob("__init__.py"):
         assert str(init.relative_to(ROOT)) in wheel_names
-    for module in (ROOT / "client").glob("*.py"):
-        assert f"kvstore_client/{module.name}" in wheel_names
+    for module in (ROOT / "client").rglob("*.py"):
+        assert f"kvstore_client/{module.relative_to(ROOT / 'client')}" in wheel_names
 
 
 def test_console_command_is_declared(wheel_names):

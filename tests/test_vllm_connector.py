@@ -212,3 +212,64 @@ def test_an_unseeded_xxhash_engine_refuses_to_start_with_a_clear_message(engines
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     with pytest.raises(RuntimeError, match="PYTHONHASHSEED"):
         engines.start(master=pool["address"], env=env, extra_args=("--hash-algo", "xxhash"))
+
+
+# -- what the connector refuses at start ----------------------------------------------------------
+def configs(*, mla=False, pp=1, dcp=1, algo="sha256", specs=None):
+    """The parts of vLLM's configs that ``check_supported`` reads, with real KV cache specs."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(use_mla=mla),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, decode_context_parallel_size=dcp),
+        cache_config=SimpleNamespace(prefix_caching_hash_algo=algo))
+    groups = [SimpleNamespace(kv_cache_spec=s, layer_names=["a"]) for s in (specs or [full])]
+    return vllm_config, SimpleNamespace(kv_cache_groups=groups)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"mla": True}, "MLA"),
+    ({"pp": 2}, "pipeline parallelism"),
+    ({"dcp": 2}, "decode context parallelism"),
+    ({"algo": "xxhash_cbor"}, "PYTHONHASHSEED"),
+    ({"specs": "two groups"}, "all full attention"),
+    ({"specs": "sliding window"}, "all full attention"),
+])
+def test_what_the_connector_does_not_support_fails_at_start(monkeypatch, change, message):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvstore_client.errors import ConfigError
+    from kvstore_client.vllm.connector import check_supported
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    if change.get("specs") == "two groups":
+        change = {"specs": [full, full]}
+    elif change.get("specs") == "sliding window":
+        change = {"specs": [SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                                              sliding_window=128)]}
+    vllm_config, kv_cache_config = configs(**change)
+    with pytest.raises(ConfigError, match=message):
+        check_supported(vllm_config, kv_cache_config)
+    vllm_config, kv_cache_config = configs()
+    assert check_supported(vllm_config, kv_cache_config) is kv_cache_config.kv_cache_groups[0].kv_cache_spec
+
+
+def test_xxhash_with_a_shared_seed_is_accepted(monkeypatch):
+    from kvstore_client.vllm.connector import check_supported
+
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    vllm_config, kv_cache_config = configs(algo="xxhash")
+    check_supported(vllm_config, kv_cache_config)
+
+
+def test_layers_are_ordered_as_the_model_runs_them():
+    from kvstore_client.vllm.connector import layer_order
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in (10, 2, 0, 1)]
+    assert layer_order(names) == [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10)]
