@@ -75,6 +75,7 @@ def start_lmcache(log_path: str, *, block_size: int, size_gb: float = 4.0,
             [python, "-c", "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())",
              "server", "--host", "127.0.0.1", "--port", str(port), "--http-host", "127.0.0.1",
              "--http-port", str(http_port), "--chunk-size", str(block_size), "--l1-size-gb", str(size_gb),
+             "--eviction-policy", "LRU",
              "--supported-transfer-mode", "auto"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.monotonic() + start_timeout
     while time.monotonic() < deadline:

@@ -23,7 +23,7 @@ def plans(**switches) -> RequestPlans:
 def test_a_hit_loads_the_blocks_past_vllms_own_hit_in_the_first_step():
     p = plans()
     p.remember_hit("a", pool_blocks=5, num_computed_tokens=2 * BS)
-    assert p.external_tokens(5, 2 * BS) == 3 * BS
+    assert p.external_tokens(5, 2 * BS, 6 * BS + 1) == 3 * BS
     p.allocated("a", hashes(6), prompt_len=6 * BS + 1, num_external_tokens=3 * BS)
     plan = p.step([("a", list(range(10, 17)), 5 * BS)], [], {"a": BS + 1})
     assert [(t.block_ids, t.first_index) for t in plan.loads] == [([12, 13, 14], 2)]
@@ -35,9 +35,20 @@ def test_a_hit_loads_the_blocks_past_vllms_own_hit_in_the_first_step():
 
 def test_at_least_one_prompt_token_is_left_to_compute():
     p = plans()
-    assert p.loadable_blocks(4 * BS) == 3
-    assert p.loadable_blocks(4 * BS + 1) == 4
-    assert p.loadable_blocks(0) == 0
+    assert p.full_blocks(4 * BS) == 4 and p.full_blocks(4 * BS - 1) == 3 and p.full_blocks(0) == 0
+    assert p.external_tokens(4, 0, 4 * BS + 1) == 4 * BS  # a partial block follows: all four load
+    assert p.external_tokens(4, 0, 4 * BS) == 4 * BS - 1  # only full blocks: vLLM computes the last token
+    assert p.external_tokens(4, 3 * BS, 4 * BS) == BS - 1
+    assert p.external_tokens(4, 0, 1) == 0
+
+
+def test_a_prompt_of_full_blocks_loads_its_last_block_whole():
+    p = plans()
+    p.remember_hit("a", 4, 0)
+    p.allocated("a", hashes(4), prompt_len=4 * BS, num_external_tokens=p.external_tokens(4, 0, 4 * BS))
+    plan = p.step([("a", [9, 8, 7, 6], 0)], [], {"a": 1})
+    assert [(t.block_ids, t.first_index) for t in plan.loads] == [([9, 8, 7, 6], 0)]
+    assert plan.saves == []  # all four are in the pool already
 
 
 def test_chunked_prefill_saves_each_block_once_as_it_fills():
@@ -75,7 +86,7 @@ def test_blocks_the_pool_already_has_are_not_saved_again():
 
 def test_switches_and_roles():
     no_load = plans(load=False)
-    assert no_load.external_tokens(5, 0) == 0
+    assert no_load.external_tokens(5, 0, 9 * BS) == 0
     no_save = plans(save=False)
     no_save.remember_hit("a", 0, 0)
     no_save.allocated("a", hashes(2), prompt_len=2 * BS, num_external_tokens=0)

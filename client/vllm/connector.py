@@ -181,10 +181,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ==== scheduler side =====================================================================
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        hashes = request.block_hashes[: self._plans.loadable_blocks(request.num_prompt_tokens)]
+        hashes = request.block_hashes[: self._plans.full_blocks(request.num_prompt_tokens)]
         pool_blocks = self._lookup(hashes) if hashes else 0
         self._plans.remember_hit(request.request_id, pool_blocks, num_computed_tokens)
-        return self._plans.external_tokens(pool_blocks, num_computed_tokens), False
+        return self._plans.external_tokens(pool_blocks, num_computed_tokens, request.num_prompt_tokens), False
 
     def _lookup(self, hashes: list[bytes]) -> int:
         """Leading blocks of ``hashes`` the pool holds (0 when it cannot be asked)."""

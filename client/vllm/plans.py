@@ -52,19 +52,23 @@ class RequestPlans:
         self._requests: dict[str, RequestState] = {}
 
     # -- lookup and allocation -------------------------------------------------------------
-    def loadable_blocks(self, num_prompt_tokens: int) -> int:
-        """Most leading blocks a hit may cover: vLLM must compute at least one prompt token."""
-        return max(num_prompt_tokens - 1, 0) // self.block_size
+    def full_blocks(self, num_prompt_tokens: int) -> int:
+        """The prompt's full blocks: the ones with a hash, so the ones the pool can hold."""
+        return num_prompt_tokens // self.block_size
 
     def remember_hit(self, req_id: str, pool_blocks: int, num_computed_tokens: int) -> None:
         """A lookup's result: the pool's leading blocks, and vLLM's own hit then (tokens)."""
         self._hits[req_id] = (pool_blocks, num_computed_tokens)
 
-    def external_tokens(self, pool_blocks: int, num_computed_tokens: int) -> int:
-        """Tokens beyond vLLM's local hit that the pool can supply (0 when loading is off)."""
+    def external_tokens(self, pool_blocks: int, num_computed_tokens: int, num_prompt_tokens: int) -> int:
+        """Tokens beyond vLLM's local hit that the pool can supply (0 when loading is off).
+
+        vLLM must compute at least the prompt's last token: a prompt of only full blocks,
+        all in the pool, loads every block and vLLM computes that one token again (its KV
+        slot gets the same bytes), rather than recomputing the whole last block."""
         if not self.load:
             return 0
-        return max(pool_blocks * self.block_size - num_computed_tokens, 0)
+        return max(min(pool_blocks * self.block_size, num_prompt_tokens - 1) - num_computed_tokens, 0)
 
     def allocated(self, req_id: str, hashes: list[bytes], prompt_len: int, num_external_tokens: int) -> None:
         """vLLM allocated blocks for a request (new, or resumed after preemption): load
@@ -78,7 +82,8 @@ class RequestPlans:
         state.pending_load = None
         if num_external_tokens > 0:
             first = num_computed_tokens // self.block_size
-            state.pending_load = (first, first + num_external_tokens // self.block_size)
+            end = -(-(num_computed_tokens + num_external_tokens) // self.block_size)  # a block partly needed loads whole
+            state.pending_load = (first, end)
 
     # -- each step ---------------------------------------------------------------------------
     def step(self, new: list[tuple[str, list[int], int]], cached: list[tuple[str, list[int] | None, bool, int]],
