@@ -269,7 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="float32: CPUs without native bf16 (AVX512-BF16, AMX) run bf16 several times slower")
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="KV cache of each engine")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-lmcache", action="store_true", help="leave LMCache out")
@@ -284,11 +285,15 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         model = make_llama(os.path.join(tmp, "model"), hidden=args.hidden, layers=args.layers, heads=args.heads,
                            kv_heads=args.kv_heads, vocab=vocab, max_positions=max(args.lengths) + 64)
-        pool, master = start_pool(tmp, "4GiB")
+        pool, master = start_pool(tmp, "2GiB")
         stack.callback(pool.wait)
         stack.callback(pool.terminate)
         logs = os.path.join(tmp, "logs")
         os.makedirs(logs)
+        # the load path first, while no engine runs beside it
+        slab_shape = (args.kv_heads, args.block_size, 2 * args.hidden // args.heads)
+        path = load_path(master, layers=args.layers, blocks=max(args.lengths) // args.block_size,
+                         slab_shape=slab_shape, dtype=args.dtype, repeats=max(7, args.runs))
 
         def start(name: str, *more: str, **kw) -> EngineProcess:
             engine = EngineProcess([*engine_args(args, model), *more], os.path.join(logs, name + ".log"), **kw)
@@ -302,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.no_lmcache:
             skipped.append("LMCache: --no-lmcache")
         else:
-            lmcache = peers.start_lmcache(os.path.join(logs, "lmcache-server.log"), block_size=args.block_size)
+            lmcache = peers.start_lmcache(os.path.join(logs, "lmcache-server.log"), block_size=args.block_size,
+                                          size_gb=2.0)
             if not isinstance(lmcache, str):
                 stack.callback(lmcache.stop)
             if isinstance(lmcache, str):
@@ -314,9 +320,6 @@ def main(argv: list[str] | None = None) -> None:
                         python=lmcache.python, env=dict(os.environ, **lmcache.engine_env))
         skipped += peers.offloading_skip_notes()
         rows = measure(args, engines, vocab)
-        slab_shape = (args.kv_heads, args.block_size, 2 * args.hidden // args.heads)
-        path = load_path(master, layers=args.layers, blocks=max(args.lengths) // args.block_size,
-                         slab_shape=slab_shape, dtype=args.dtype, repeats=max(5, args.runs))
     result = {"command": "python -m bench.vllm_reuse " + " ".join(argv if argv is not None else sys.argv[1:]),
               "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
                         "dtype": args.dtype, "block_size": args.block_size},

@@ -22,7 +22,7 @@ def test_the_reuse_benchmark_runs_small(capsys, monkeypatch):
     assert rows[160]["consumer_cached_tokens"] == 159
     assert all(r["consumer_same_output"] for r in rows.values())
     assert all(r["recompute_s"] > 0 and r["consumer_hit_s"] > 0 and r["producer_miss_s"] > 0 for r in rows.values())
-    assert result["load_path"]["bytes"] == 2 * (160 // 32) * 2 * 32 * 64 * 2  # layers x blocks x slab (bf16)
+    assert result["load_path"]["bytes"] == 2 * (160 // 32) * 2 * 32 * 64 * 4  # layers x blocks x slab (fp32)
     assert any(note.startswith("LMCache: no LMCache environment") for note in result["skipped"])
     assert len(result["targets"]) == 3
 
