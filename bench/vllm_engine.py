@@ -57,7 +57,7 @@ def build_engine(args: argparse.Namespace):
                kv_cache_memory_bytes=args.kv_cache_bytes, block_size=args.block_size, dtype=args.dtype,
                max_model_len=args.max_model_len,
                enable_prefix_caching=not args.no_prefix_caching, prefix_caching_hash_algo=args.hash_algo,
-               kv_transfer_config=kv_transfer_config,
+               kv_transfer_config=kv_transfer_config, tensor_parallel_size=args.tensor_parallel_size,
                seed=0)
 
 
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--extra", help="more kv_connector_extra_config keys, as JSON")
     parser.add_argument("--kv-transfer-config", help="a whole kv_transfer_config as JSON (another connector)")
     parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (default: vLLM's choice)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--hash-algo", default="sha256", help="vLLM's --prefix-caching-hash-algo")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn vLLM's own prefix cache off")
     args = parser.parse_args(argv)

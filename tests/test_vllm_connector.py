@@ -123,6 +123,22 @@ def test_the_default_multiprocess_engine_loads_from_the_pool(engines, pool):
     assert_same_answers(loaded, want, "float32")
 
 
+def test_tensor_parallel_ranks_store_and_load_their_own_heads(engines, pool):
+    """Two ranks (worker processes, one core each): each keeps its KV heads under keys of its
+    own, and a fresh engine of the same shape loads both ranks' halves."""
+    want = reference(engines, "float32")
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    tp2 = ("--tensor-parallel-size", "2")
+    with engines.start(master=pool["address"], namespace="tp", env=env, extra_args=tp2) as producer:
+        producer.ask(JOB)
+    with Client(pool["address"]) as client:
+        assert len([ns for ns in client.list_keys(limit=1).namespaces if ns.startswith("tp/")]) == 2 * 2  # ranks x layers
+    with engines.start(master=pool["address"], namespace="tp", env=env, extra_args=tp2) as consumer:
+        loaded = consumer.ask(JOB)
+    assert [o["cached"] for o in loaded["outputs"]] == [loadable(p, 32) for p in PROMPTS]
+    assert_same_answers(loaded, want, "float32")
+
+
 def test_two_engines_share_one_pool_at_the_same_time(engines, pool):
     want = reference(engines, "float32")
     first, second = (engines.start(master=pool["address"], namespace="shared") for _ in range(2))
