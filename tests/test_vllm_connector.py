@@ -139,24 +139,26 @@ def test_tensor_parallel_ranks_store_and_load_their_own_heads(engines, pool):
     assert_same_answers(loaded, want, "float32")
 
 
+def both_at_once(*calls) -> list:
+    """Run ``calls`` in threads of their own at the same time; their results, in order."""
+    results: list = [None] * len(calls)
+    threads = [threading.Thread(target=lambda i=i, call=call: results.__setitem__(i, call()))
+               for i, call in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r is not None for r in results)
+    return results
+
+
 def test_two_engines_share_one_pool_at_the_same_time(engines, pool):
     want = reference(engines, "float32")
     first, second = (engines.start(master=pool["address"], namespace="shared") for _ in range(2))
     one, other = ({"prompts": [p], "max_tokens": 8, "logprobs": 3} for p in PROMPTS[:2])
-    answers: dict = {}
-    threads = [threading.Thread(target=lambda: answers.update(a=first.ask(one))),
-               threading.Thread(target=lambda: answers.update(b=second.ask(other)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    # each now asks for what the other stored, while both run
-    threads = [threading.Thread(target=lambda: answers.update(c=first.ask(other))),
-               threading.Thread(target=lambda: answers.update(d=second.ask(one)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    answers = both_at_once(lambda: first.ask(one), lambda: second.ask(other))
+    answers += both_at_once(lambda: first.ask(other), lambda: second.ask(one))  # what the other one stored
+    answers = dict(zip("abcd", answers))
     assert answers["a"]["outputs"][0]["cached"] == answers["b"]["outputs"][0]["cached"] == 0
     assert answers["c"]["outputs"][0]["cached"] == loadable(PROMPTS[1], 32)
     assert answers["d"]["outputs"][0]["cached"] == loadable(PROMPTS[0], 32)

@@ -182,7 +182,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     # ==== scheduler side =====================================================================
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         hashes = request.block_hashes[: self._plans.full_blocks(request.num_prompt_tokens)]
-        pool_blocks = self._lookup(hashes) if hashes else 0
+        # the lookup serves loading, and saving too: blocks the pool has are not sent again
+        pool_blocks = self._lookup(hashes) if hashes and (self._settings.load or self._settings.save) else 0
         self._plans.remember_hit(request.request_id, pool_blocks, num_computed_tokens)
         return self._plans.external_tokens(pool_blocks, num_computed_tokens, request.num_prompt_tokens), False
 
