@@ -110,7 +110,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         from vllm.platforms import current_platform
 
         self._layer_names = layer_order(kv_cache_config.kv_cache_groups[0].layer_names)
-        self._block_size = spec.block_size
         layout = KVLayout(
             model=vllm_config.model_config.model, revision=vllm_config.model_config.revision or "",
             kv_dtype=f"{spec.dtype}/{vllm_config.cache_config.cache_dtype}", block_size=spec.block_size,
