@@ -92,6 +92,18 @@ class Status(IntEnum):
     NOT_IN_DRAM = 11  # LEASE item stored but not in DRAM: read it with GET
     INTERNAL = 12
     SOURCE_UNAVAILABLE = 13  # PULL item: the source node could not be reached, or failed mid-transfer
+    SAME_HOST_ONLY = 14  # frame: an op that holds node memory (RESERVE, COMMIT, STORE, LEASE) over TCP
+    BUSY = 15  # frame: the node serves its maximum of connections; try again later
+
+
+# Requests that carry keys: op -> the layout of their table entries (ns_len, dg_len first; the
+# namespace and digest last). PULL's table follows its source address, STORE's its grant id.
+# Every other op but ERROR (reply only) carries no key: KEYLESS_OPS.
+KEYED_OPS: dict[int, struct.Struct] = {
+    Op.GET: KEY_HEAD, Op.PUT: PUT_ENTRY, Op.EXISTS: KEY_HEAD, Op.REMOVE: KEY_HEAD, Op.LEASE: KEY_HEAD,
+    Op.RESERVE: RESERVE_ENTRY, Op.TOUCH: KEY_HEAD, Op.PULL: PULL_ENTRY, Op.STORE: PUT_ENTRY, Op.VERIFY: KEY_HEAD,
+}
+KEYLESS_OPS = frozenset({Op.PING, Op.INFO, Op.RELEASE, Op.COMMIT})
 
 
 _ERROR_CLASSES: dict[int, type[KVStoreError]] = {
@@ -102,6 +114,7 @@ _ERROR_CLASSES: dict[int, type[KVStoreError]] = {
     Status.CHECKSUM_MISMATCH: ChecksumMismatch,
     Status.INTERNAL: RemoteError,
     Status.SOURCE_UNAVAILABLE: ServiceUnavailable,
+    Status.BUSY: ServiceUnavailable,
 }
 _STATUS_OF = [  # most specific first (the order matters for subclasses)
     (InvalidKey, Status.INVALID_KEY),
@@ -122,7 +135,8 @@ def error_for(status: int, message: str = "") -> KVStoreError:
     cls = _ERROR_CLASSES.get(status)
     if cls is not None:
         return cls(message)
-    if status in (Status.BAD_FRAME, Status.FRAME_TOO_LARGE, Status.UNSUPPORTED, Status.UNKNOWN_LEASE):
+    if status in (Status.BAD_FRAME, Status.FRAME_TOO_LARGE, Status.UNSUPPORTED, Status.UNKNOWN_LEASE,
+                  Status.SAME_HOST_ONLY):
         return ProtocolError(message, status)
     return RemoteError(f"{message} ({name})")
 
@@ -184,14 +198,17 @@ def reserve_entry(key: BlockKey, depth: int, size: int) -> bytes:
     return RESERVE_ENTRY.pack(len(nsb), len(digest), depth, size) + nsb + digest
 
 
+_INVALID_KEY = int(Status.INVALID_KEY)  # a plain int: ops tell statuses from keys by ``type(x) is int``
+
+
 def decode_key(ns: bytes, digest: bytes) -> BlockKey | int:
-    """The key of a table entry, or Status.INVALID_KEY."""
+    """The key of a table entry, or the int INVALID_KEY (never raises)."""
     if not ns or not 0 < len(digest) <= MAX_DIGEST_LEN:
-        return Status.INVALID_KEY
+        return _INVALID_KEY
     try:
         return check_key((ns.decode(), digest))
     except (UnicodeDecodeError, InvalidKey):
-        return Status.INVALID_KEY
+        return _INVALID_KEY
 
 
 def parse_table(body, count: int, fixed: struct.Struct = KEY_HEAD) -> list[tuple]:
@@ -281,10 +298,8 @@ class FrameReader:
         if end - start >= n:
             self._start = start + n
             return self._buf[start : start + n]
-        if n > len(self._buf):  # rare: a big table gets its own buffer
-            out = memoryview(bytearray(n))
-            self.readinto(out)
-            return out
+        if n > len(self._buf):  # rare: a big table, gathered as its bytes arrive
+            return self._read_growing(n)
         buf = self._buf
         if start:
             buf[: end - start] = buf[start:end]
@@ -298,6 +313,15 @@ class FrameReader:
             end += got
         self._start, self._end = n, end
         return buf[:n]
+
+    def _read_growing(self, n: int) -> memoryview:
+        """``n`` bytes in a buffer that grows with the bytes received, a buffer-full at a time:
+        what a peer announces in a header (up to the frame limits) is never allocated before
+        it has sent it."""
+        out, chunk = bytearray(), len(self._buf)
+        while len(out) < n:
+            out += self.read(min(chunk, n - len(out)))
+        return memoryview(out)
 
     def _recv_polling(self, view, n: int) -> int:
         """recv_into, polled for up to ``spin`` seconds first (unless backing off)."""

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from kvstore.units import parse_size
+from kvstore.units import format_size, parse_size
 
 
 class Size(click.ParamType):
@@ -118,6 +118,29 @@ def store_options(f):
     return f
 
 
+def connection_options(f):
+    """The data plane's limits per client (kvstore.node.config.ConnectionLimits); `node` and `up`."""
+    from kvstore.node.config import ConnectionLimits
+
+    defaults = ConnectionLimits()
+    options = [
+        click.option("--max-connections", type=click.IntRange(min=1), default=defaults.max_connections,
+                     show_default=True,
+                     help="Data-plane connections served at once, TCP and Unix socket together; one more gets a "
+                          "BUSY error frame and is closed (the SDK raises ServiceUnavailable)."),
+        click.option("--idle-timeout", type=click.FloatRange(min=0), default=defaults.idle_timeout,
+                     show_default=True,
+                     help="Seconds a data-plane connection may send nothing (between requests or inside one) "
+                          "before the node closes it, releasing its leases, reservations and grants (0: never). "
+                          "A same-host connection holding leases taken with HOLD waits on between requests."),
+        click.option("--max-table", type=SIZE, default=format_size(defaults.max_table_bytes), show_default=True,
+                     help="Largest item table one request may carry (FRAME_TOO_LARGE past it)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
 def scheduling_options(f):
     """The conductor's settings (see kvstore.scheduler)."""
     options = [
@@ -186,13 +209,20 @@ def kv_events_record(server) -> dict:
     return {"kv_events": server.kv_events_address, "kv_events_replay": server.kv_events_replay_address}
 
 
-def build_store_config(data_dir, dram, ssd, max_block, policy):
+def build_store_config(data_dir, dram, ssd, max_block, policy, limits=None):
+    """The node's StoreConfig; ``limits``: --max-connections, --idle-timeout, --max-table (by name)."""
     import os
 
-    from kvstore.node.config import StoreConfig
+    from kvstore.node.config import ConnectionLimits, StoreConfig
 
+    limits = dict(limits or {})
+    if limits.get("idle_timeout") == 0:
+        limits["idle_timeout"] = None  # 0 on the command line: never
+    if "max_table" in limits:
+        limits["max_table_bytes"] = limits.pop("max_table")
     return StoreConfig(dram_capacity=dram, ssd_path=os.path.join(data_dir, "ssd") if ssd else None,
-                       ssd_capacity=ssd, max_block_bytes=max_block, policy=policy)
+                       ssd_capacity=ssd, max_block_bytes=max_block, policy=policy,
+                       connections=ConnectionLimits(**limits))
 
 
 def announce(as_json: bool, lines: list[str], record: dict) -> None:
@@ -243,21 +273,25 @@ def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcac
 @click.option("--metrics-port", type=int, default=7703, show_default=True, help="Prometheus port (0: any, -1: off).")
 @advertise_option
 @store_options
+@connection_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
-def node(master_address, host, port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json) -> None:
+def node(master_address, host, port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json,
+         **limits) -> None:
     """Run a storage node: DRAM and SSD tiers served to clients, reported to the master."""
     from kvstore.serving import service_process
 
     signals = service_process()
-    storage = start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise)
+    storage = start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise,
+                         limits)
     announce(as_json, node_lines(storage), node_record(storage))
     signals.serve([storage.stop])
 
 
-def start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise=None):
+def start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise=None,
+               limits=None):
     from kvstore.node.daemon import NodeOptions, StorageNode
 
-    config = build_store_config(data_dir, dram, ssd, max_block, policy)
+    config = build_store_config(data_dir, dram, ssd, max_block, policy, limits)
     options = NodeOptions(master=master_address, host=host, port=port, data_dir=data_dir, advertise=advertise,
                           metrics_port=None if metrics_port < 0 else metrics_port)
     return StorageNode(config, options).start()
@@ -294,10 +328,11 @@ def node_lines(storage) -> list[str]:
               help="Master metrics port; the node's is the next one (0: any, -1: off).")
 @advertise_option
 @store_options
+@connection_options
 @kv_events_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def up(host, port, data_port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json, kv_events,
-       kv_events_replay, kv_events_topic, kv_events_hashes) -> None:
+       kv_events_replay, kv_events_topic, kv_events_hashes, **limits) -> None:
     """Run the embedded default: a master and one storage node in this process."""
     from kvstore.serving import service_process
 
@@ -306,7 +341,7 @@ def up(host, port, data_port, metrics_port, advertise, data_dir, dram, ssd, max_
     master_server = start_master(host, port, metrics_port, 5.0, 1, kv_events=events)
     node_metrics = metrics_port + 1 if metrics_port > 0 else metrics_port
     storage = start_node(master_server.address, host, data_port, node_metrics, data_dir, dram, ssd, max_block, policy,
-                         advertise)
+                         advertise, limits)
     announce(as_json, [f"kvstore up: master on {master_server.address}"] + node_lines(storage) +
              kv_events_lines(master_server) + [f"try: kvstore status --master {master_server.address}"],
              {"master": master_server.address, "master_metrics": master_server.metrics_address,

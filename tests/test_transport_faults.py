@@ -76,6 +76,15 @@ def raw(server) -> socket.socket:
     return sock
 
 
+def same_host(server) -> socket.socket:
+    """A raw connection through the node's Unix socket: RESERVE, COMMIT, STORE and LEASE are
+    served only there (over TCP: SAME_HOST_ONLY)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(server.unix_path)
+    return sock
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     out = bytearray()
     while len(out) < n:
@@ -175,7 +184,7 @@ def test_unknown_lease_and_reservation_ids(server):
     with raw(server) as sock:
         sock.sendall(pack_header(Op.RELEASE, 1, 1, 8, flags=FLAG_NO_REPLY) + U64.pack(12345))
         expect_error_and_close(sock, Status.UNKNOWN_LEASE)
-    with raw(server) as sock:
+    with same_host(server) as sock:
         sock.sendall(pack_header(Op.COMMIT, 1, 1, 16) + U64.pack(777) + U64.pack(0))
         expect_error_and_close(sock, Status.UNKNOWN_LEASE)
 
@@ -219,7 +228,7 @@ def test_reservations_and_leases_end_with_the_connection(server):
     wait_until(lambda: no_connections(server))
     used = store.stats()["dram"]["used"]
     entry = struct.pack("<BBIQ", 2, 16, 0, MiB) + b"ns" + key("reserved")[1]
-    with raw(server) as sock:
+    with same_host(server) as sock:
         sock.sendall(pack_header(Op.RESERVE, 1, 1, len(entry)) + entry)
         _, status, _, _, body = read_reply(sock)
         assert status == Status.OK and U64.unpack_from(body)[0] != 0 and body[8] == Status.OK
@@ -238,7 +247,7 @@ def test_commit_abort_revokes_and_count_mismatch_is_a_bad_frame(server):
     used = store.stats()["dram"]["used"]
     target = key("aborted")
     table = struct.pack("<BBIQ", 2, 16, 0, 64 * KiB) + b"ns" + target[1] + struct.pack("<BBIQ", 2, 0, 0, 10) + b"ns"
-    with raw(server) as sock:
+    with same_host(server) as sock:
         for request_id in (1, 3):
             sock.sendall(pack_header(Op.RESERVE, request_id, 2, len(table)) + table)
             _, status, _, _, body = read_reply(sock)
@@ -276,7 +285,7 @@ def test_grants_store_named_blocks_and_refuse_mismatches(server):
     first, second, third = key("granted-1"), key("granted-2"), key("granted-3")
     value = b"g" * (64 * KiB)
     entry = struct.pack("<BBIQ", 2, 16, 3, len(value)) + b"ns" + first[1]
-    with raw(server) as sock:
+    with same_host(server) as sock:
         sock.sendall(pack_header(Op.RESERVE, 1, 1, len(entry)) + entry)
         reservation = U64.unpack_from(read_reply(sock)[4])[0]
         checksum = xxhash.xxh3_64_intdigest(value)
@@ -312,7 +321,7 @@ def test_reserve_with_regrant_makes_a_grant_that_a_store_names(server):
     ignored, first, second = key("regrant-ignored"), key("regrant-1"), key("regrant-2")
     values = [b"a" * (16 * KiB), b"b" * (32 * KiB)]
     entries = b"".join(struct.pack("<BBIQ", 2, 16, 0, len(v)) + b"ns" + ignored[1] for v in values)
-    with raw(server) as sock:
+    with same_host(server) as sock:
         sock.sendall(pack_header(Op.RESERVE, 1, 2, len(entries), flags=FLAG_REGRANT) + entries)
         body = read_reply(sock)[4]
         grant = U64.unpack_from(body)[0]
@@ -337,7 +346,7 @@ def test_a_stored_block_that_does_not_match_its_checksum_is_never_served(server)
     writer's copy, the first verifying reader refuses them, the node confirms (VERIFY) and
     drops the block, and it reads as a miss from then on."""
     k, value = key("torn-store"), b"t" * 4096
-    with raw(server) as sock:
+    with same_host(server) as sock:
         _, grant, granted = grant_by_aborting(sock, key("first-of-size"), len(value))
         offset = granted[0][1]
         server.store._dram._mem[offset : offset + len(value)] = value
@@ -357,7 +366,7 @@ def test_a_commit_of_written_blocks_records_the_writers_checksum_and_readers_che
     bytes do not match is stored, refused by the first verifying reader and dropped."""
     good, torn, value = key("written-good"), key("written-torn"), b"w" * 4096
     entries = b"".join(struct.pack("<BBIQ", 2, 16, 0, len(value)) + b"ns" + k[1] for k in (good, torn))
-    with raw(server) as sock:
+    with same_host(server) as sock:
         sock.sendall(pack_header(Op.RESERVE, 1, 2, len(entries)) + entries)
         body = read_reply(sock)[4]
         reservation, items = U64.unpack_from(body)[0], list(RESERVED_ITEM.iter_unpack(body[8:]))
@@ -379,7 +388,7 @@ def test_a_grant_cannot_be_committed_without_keys_and_abort_needs_no_reply(serve
     used = store.stats()["dram"]["used"]
     value = b"a" * 4096
     entry = struct.pack("<BBIQ", 2, 16, 0, len(value)) + b"ns" + key("to-abort")[1]
-    with raw(server) as sock:
+    with same_host(server) as sock:
         reservation, grant, _ = grant_by_aborting(sock, key("to-abort"), len(value))
         sock.sendall(pack_header(Op.COMMIT, 3, 1, 16) + U64.pack(grant) + bytes(8))  # a grant names no key
         assert read_reply(sock)[4] == bytes([Status.INVALID_KEY])
@@ -388,7 +397,7 @@ def test_a_grant_cannot_be_committed_without_keys_and_abort_needs_no_reply(serve
         expect_error_and_close(sock, Status.UNKNOWN_LEASE)
     wait_until(lambda: no_connections(server))
     assert store.stats()["dram"]["used"] == used
-    with raw(server) as sock:  # ABORT with NO_REPLY: the next reply is the PING's
+    with same_host(server) as sock:  # ABORT with NO_REPLY: the next reply is the PING's
         sock.sendall(pack_header(Op.RESERVE, 1, 1, len(entry)) + entry)
         reservation = U64.unpack_from(read_reply(sock)[4])[0]
         sock.sendall(pack_header(Op.COMMIT, 2, 1, 16, flags=FLAG_ABORT | FLAG_NO_REPLY) + U64.pack(reservation)

@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore_client.errors import ConfigError
 from kvstore.policy import POLICIES
 from kvstore.units import format_size, parse_size
 
 MiB = 1 << 20
+
+
+@dataclass
+class ConnectionLimits:
+    """What one node's data plane allows its clients (spec: proto/dataplane.md, Connections).
+
+    ``max_connections``: connections served at once, over TCP and the Unix socket together;
+    one more is answered with a BUSY error frame and closed. ``idle_timeout``: seconds a
+    connection may go without sending a byte (between frames or inside one) before the node
+    closes it, releasing what it holds (None: never); a same-host connection that holds
+    leases taken with HOLD is exempt between frames (its reader keeps zero-copy views).
+    ``max_table_bytes``: the largest item table a request may carry (FRAME_TOO_LARGE past it).
+    """
+
+    max_connections: int = 1024
+    idle_timeout: float | None = 300.0
+    max_table_bytes: int | str = 4 * MiB
+
+    def __post_init__(self) -> None:
+        self.max_table_bytes = parse_size(self.max_table_bytes)
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections must be at least 1, got {self.max_connections}")
+        if self.idle_timeout is not None and not self.idle_timeout > 0:
+            raise ConfigError(f"idle_timeout must be positive seconds or None, got {self.idle_timeout!r}")
+        if self.max_table_bytes < 4096:
+            raise ConfigError(f"max_table_bytes must be at least 4 KiB, got {self.max_table_bytes}")
 
 
 @dataclass
@@ -23,6 +49,8 @@ class StoreConfig:
     else (and always as a last resort) inline on the put that found no room.
     ``directory_slots`` sizes the block directory that same-host clients read
     without a round trip (None: one slot per 32 KiB of DRAM; 0: none).
+    ``connections``: the data plane's limits per node (``ConnectionLimits``), kept here so
+    that whatever builds the store hands them to the node's server too.
     ``promote_on_hit`` brings SSD hits back into DRAM; ``keep_ssd_copy`` keeps
     their SSD record meanwhile (inclusive tiers, until SSD space is needed), so
     that demoting them again costs no SSD write.
@@ -47,6 +75,7 @@ class StoreConfig:
     prefault: bool = False
     arena_name: str | None = None
     directory_slots: int | None = None
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def __post_init__(self) -> None:
         self.dram_capacity = parse_size(self.dram_capacity)

@@ -12,6 +12,12 @@ thread, so they live in a thread-safe ``LeaseTable`` (leases.py).
 When the connection ends, however it ends, every lease is released and every
 open reservation revoked (so a client that dies mid-PUT leaves nothing
 half-written and no DRAM held).
+
+What it holds before a client's bytes arrive is bounded: nothing is sized from a
+header alone (tables are gathered as they arrive, up to ``max_table_bytes``),
+the ops that hold node memory are refused over TCP (``limits.SAME_HOST_OPS``),
+and a client silent for the idle timeout is dropped (the socket's own timeouts,
+set by the server: a blocked recv or send then fails with an OSError).
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ from kvstore_client.wire import (
     FLAG_REPLY,
     HEADER_SIZE,
     MAX_ITEMS,
-    MAX_TABLE_BYTES,
     FrameReader,
     Op,
     Status,
@@ -36,7 +41,8 @@ from kvstore_client.wire import (
     unpack_header,
 )
 from kvstore.transport.leases import LeaseTable
-from kvstore.transport.ops import OPS
+from kvstore.transport.limits import SAME_HOST_OPS, same_host
+from kvstore.transport.ops import OPS, end_group
 
 if TYPE_CHECKING:
     from kvstore.transport.server import DataPlaneServer
@@ -66,6 +72,8 @@ class Connection:
         self.peer = peer
         self.reader = FrameReader(sock)
         self.max_frame_bytes = server.max_frame_bytes
+        self.max_table_bytes = server.limits.max_table_bytes
+        self.same_host = same_host(sock)
         self.leases = LeaseTable()  # also expired by the server's housekeeping thread
         self.reservations: dict[int, list] = {}  # reservation id -> [(Reservation | None, status)]
         self._next_id = 0
@@ -84,12 +92,15 @@ class Connection:
         try:
             while True:
                 request_id, op = 0, Op.ERROR  # what an error reply echoes until a header parses
-                if not self.reader.wait():
+                if not self._wait():
                     return  # closed between frames
                 op, _, flags, request_id, count, body_len = unpack_header(self.reader.read(HEADER_SIZE))
                 handler = OPS.get(op)
                 if handler is None:
                     raise ProtocolError(f"unknown op {op}", Status.UNSUPPORTED)
+                if op in SAME_HOST_OPS and not self.same_host:
+                    raise ProtocolError(f"{Op(op).name} holds node memory: same host only (the node's Unix "
+                                        "socket), not over TCP", Status.SAME_HOST_ONLY)
                 self._check_size(count, body_len)
                 handler(self, Frame(op, flags, request_id, count, body_len))
         except ProtocolError as exc:
@@ -101,6 +112,17 @@ class Connection:
             self._send_error(request_id, status_of(exc), f"{type(exc).__name__}: {exc}")
         finally:
             self.close()
+
+    def _wait(self) -> bool:
+        """Wait for the next frame; False when the client closed. Past the idle timeout the
+        recv fails (OSError: the connection ends), unless this connection holds leases taken
+        with HOLD: their reader keeps zero-copy views into the arena, so it waits on."""
+        while True:
+            try:
+                return self.reader.wait()
+            except (BlockingIOError, TimeoutError):
+                if not self.leases.held:
+                    raise
 
     def _check_size(self, count: int, body_len: int) -> None:
         if body_len > self.max_frame_bytes:
@@ -114,9 +136,14 @@ class Connection:
         """Read and parse the rest of a frame body (after the ``consumed`` bytes the op read
         first): an item table of ``fixed``-headed key entries."""
         size = frame.body_len - consumed
-        if size > MAX_TABLE_BYTES:
-            raise ProtocolError(f"item table of {size} bytes is too large", Status.FRAME_TOO_LARGE)
+        self.check_table(size)
         return parse_table(self.reader.read(size), frame.count, fixed)
+
+    def check_table(self, size: int) -> None:
+        """FRAME_TOO_LARGE for an item table past ``max_table_bytes``."""
+        if size > self.max_table_bytes:
+            raise ProtocolError(f"item table of {size} bytes exceeds max_table_bytes {self.max_table_bytes}",
+                                Status.FRAME_TOO_LARGE)
 
     def reply(self, frame: Frame, count: int, *parts) -> None:
         """Send a reply frame whose body is ``parts`` (bytes-like) in order."""
@@ -154,12 +181,10 @@ class Connection:
         self.leases.release_all()
         reservations, self.reservations = self.reservations, {}
         for group in reservations.values():
-            for res, _ in group:
-                if res is not None and res.open:
-                    try:
-                        res.revoke()
-                    except Exception:  # store already closed: nothing to give back
-                        pass
+            try:
+                end_group(self, group)
+            except Exception:  # store already closed: nothing to give back
+                pass
         try:
             self.sock.close()
         except OSError:

@@ -38,6 +38,11 @@ class LeaseTable:
         with self._lock:
             return len(self._expiring) + len(self._held)
 
+    @property
+    def held(self) -> bool:
+        """Whether any group taken with HOLD is still held (such a reader may idle on)."""
+        return bool(self._held)
+
     def add(self, lease_id: int, group: list, hold: bool = False) -> None:
         with self._lock:
             if hold:

@@ -8,6 +8,14 @@ raises ProtocolError, which ends the connection (see connection.py).
 Bulk bytes never pass through Python objects: GET sends from the arena
 (``sendmsg`` of the leased views), PUT and PULL receive into reservations;
 same-host writers fill reservations and grants through their own mapping.
+A malformed key is an item status (INVALID_KEY; TOUCH skips it), never an
+exception. Space held for same-host writers between requests, RESERVE's as
+well as grants, is taken with ``store.grant``, so that it all stays under the
+store's cap on grants (1/GRANT_SHARE of DRAM); a RESERVE's keys are bound at
+COMMIT, and what does not fit under the cap borrows from the server's
+node-wide allowance of one frame (allowance.py). Groups of reservations are
+lists of ``(Reservation | None, status, (key, depth) | None, bytes borrowed)``:
+the binding is None for a grant (STORE names its keys).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from kvstore_client.errors import KVStoreError, ProtocolError
+from kvstore_client.errors import CapacityError, KVStoreError, ProtocolError
 from kvstore_client.wire import (
     FLAG_ABORT,
     FLAG_CHECKSUMS_LAST,
@@ -173,9 +181,11 @@ def _statuses(conn: "Connection", frame: "Frame", fn) -> None:
 
 
 def op_touch(conn: "Connection", frame: "Frame") -> None:
-    """Hits a same-host client served itself from the block directory (see kvstore_client.directory)."""
+    """Hits a same-host client served itself from the block directory (see kvstore_client.directory);
+    malformed keys and keys of undeclared namespaces are skipped."""
     entries = conn.read_table(frame, KEY_HEAD)
-    conn.store.touch([key for key, _ in entries if type(key) is not int])
+    store = conn.store
+    conn.store.touch([key for key, _ in entries if type(key) is not int and _known(store, key) == OK])
     if not frame.flags & FLAG_NO_REPLY:
         conn.reply(frame, 0)
 
@@ -201,14 +211,24 @@ def op_remove(conn: "Connection", frame: "Frame") -> None:
 
 
 # -- writes -------------------------------------------------------------------------------------
+def _known(store, key) -> int:
+    """OK, or the status of a well-formed key the store refuses (UNKNOWN_NAMESPACE)."""
+    try:
+        store._check_key(key)
+    except KVStoreError as exc:
+        return status_of(exc)
+    return OK
+
+
 def _read_put_table(conn: "Connection", frame: "Frame", trailer: int = 0) -> list[tuple]:
-    """Entries (key or status, depth, size, checksum); checks they, their payloads and a
-    ``trailer`` of that many bytes fill body_len."""
+    """Entries (key or status, depth, size, checksum), read one at a time as they arrive;
+    checks they, their payloads and a ``trailer`` of that many bytes fill body_len."""
     reader, limit, used, total, entries = conn.reader, frame.body_len, 0, 0, []
     for _ in range(frame.count):
         used += PUT_ENTRY.size
         if used > limit:
             raise _bad("PUT table runs past body_len")
+        conn.check_table(used)
         ns_len, dg_len, depth, size, checksum = PUT_ENTRY.unpack(reader.read(PUT_ENTRY.size))
         used += ns_len + dg_len
         if used > limit:
@@ -292,39 +312,62 @@ def _put_checksums_last(conn: "Connection", frame: "Frame") -> None:
 
 def op_reserve(conn: "Connection", frame: "Frame") -> None:
     """Reserve arena space for a same-host writer: u64 reservation id, then (status, offset).
+    The space counts against the store's cap on grants until COMMIT binds it to its key
+    (a client that reserves and never commits must not crowd blocks out).
     With REGRANT the space is a grant, bound to no key (a STORE names them): a writer that
     sends puts without waiting for their replies keeps a second grant this way."""
     store = conn.store
     entries = conn.read_table(frame, RESERVE_ENTRY)
     if frame.flags & FLAG_REGRANT:
-        wanted = [(OK, lambda size=size: store.grant(size)) for _, (_, _, _, size) in entries]
+        wanted = [(OK, size, None) for _, (_, _, _, size) in entries]
     else:
-        wanted = [(key if type(key) is int else OK,
-                   lambda k=key, size=size, depth=depth: store.reserve(k, size, depth=depth))
+        wanted = [(key if type(key) is int else _known(store, key), size, (key, depth))
                   for key, (_, _, depth, size) in entries]
     conn.reply(frame, frame.count, _reserved_table(conn, wanted))
 
 
 def _reserved_table(conn: "Connection", wanted: list[tuple]) -> bytearray:
-    """Reserve for each ``(status, reserve)`` whose status is OK (``reserve()`` gives a
-    Reservation) and keep the group on the connection: u64 id, then (status, offset) each."""
+    """Reserve for each ``(status, size, binding)`` whose status is OK, the items of one frame
+    up to ``max_frame_bytes`` in all (FRAME_TOO_LARGE past it), and keep the group on the
+    connection: u64 id, then (status, offset) each."""
     table = bytearray(U64.size + len(wanted) * RESERVED_ITEM.size)
-    group = []
+    group, budget = [], conn.max_frame_bytes
     try:
-        for i, (status, reserve) in enumerate(wanted):
-            res = None
-            if status == OK:
+        for i, (status, size, binding) in enumerate(wanted):
+            res, borrowed = None, 0
+            if status == OK and size > budget:
+                status = Status.FRAME_TOO_LARGE
+            elif status == OK:
                 try:
-                    res = reserve()
+                    res, borrowed = _reserve(conn, size, binding)
+                    budget -= size
                 except KVStoreError as exc:
                     status = status_of(exc)
-            group.append((res, status))
+            group.append((res, status, binding, borrowed))
             RESERVED_ITEM.pack_into(table, U64.size + i * RESERVED_ITEM.size, status, 0 if res is None else res.offset)
     except BaseException:
-        _revoke(group)
+        end_group(conn, group)
         raise
     U64.pack_into(table, 0, _register(conn, group))
     return table
+
+
+def _reserve(conn: "Connection", size: int, binding: tuple | None) -> tuple:
+    """(Reservation, bytes borrowed from the node-wide allowance): a grant, under the store's
+    cap; for a RESERVE item (``binding`` (key, depth)) the cap refuses, a keyed reservation
+    on the allowance instead, if it has ``size`` bytes left."""
+    store = conn.store
+    try:
+        return store.grant(size), 0
+    except CapacityError:
+        allowance = conn.server.allowance
+        if binding is None or not allowance.take(size):
+            raise
+    try:
+        return store.reserve(binding[0], size, depth=binding[1]), size
+    except BaseException:
+        allowance.give(size)
+        raise
 
 
 def op_commit(conn: "Connection", frame: "Frame") -> None:
@@ -337,23 +380,25 @@ def op_commit(conn: "Connection", frame: "Frame") -> None:
     group = _take_group(conn, reservation_id, frame.count)
     out = bytearray(frame.count)
     try:
-        for i, (res, status) in enumerate(group):
+        for i, (res, status, binding, _) in enumerate(group):
             if res is None:
                 out[i] = status
             elif frame.flags & FLAG_ABORT:
                 res.revoke()
-            elif res.key is None:  # a grant is stored with STORE, which names the keys
+            elif binding is None:  # a grant is stored with STORE, which names the keys
                 out[i] = Status.INVALID_KEY
             else:
                 try:
+                    if res.key is None:
+                        res.bind(*binding)
                     (res.commit_written if frame.flags & FLAG_WRITTEN else res.commit)(checksums[i])
                 except KVStoreError as exc:
                     out[i] = status_of(exc)
     finally:
-        _revoke(group)  # only what a failure left open
+        end_group(conn, group)  # revokes only what a failure left open
     if frame.flags & FLAG_NO_REPLY and frame.flags & FLAG_ABORT:
         return
-    _reply_statuses(conn, frame, out, [res.size if res is not None else 0 for res, _ in group])
+    _reply_statuses(conn, frame, out, [item[0].size if item[0] is not None else 0 for item in group])
 
 
 def op_store(conn: "Connection", frame: "Frame") -> None:
@@ -366,7 +411,7 @@ def op_store(conn: "Connection", frame: "Frame") -> None:
     group = _take_group(conn, grant_id, frame.count)
     out = bytearray(frame.count)
     try:
-        for i, ((res, status), (key, (_, _, depth, size, checksum))) in enumerate(zip(group, entries)):
+        for i, ((res, status, _, _), (key, (_, _, depth, size, checksum))) in enumerate(zip(group, entries)):
             if res is None:
                 out[i] = status
             elif type(key) is int:
@@ -380,7 +425,7 @@ def op_store(conn: "Connection", frame: "Frame") -> None:
                 except KVStoreError as exc:
                     out[i] = status_of(exc)
     finally:
-        _revoke(group)
+        end_group(conn, group)
     _reply_statuses(conn, frame, out, [entry[1][3] for entry in entries])
 
 
@@ -390,7 +435,7 @@ def _take_group(conn: "Connection", group_id: int, count: int) -> list:
     if group is None:
         raise ProtocolError(f"unknown reservation id {group_id}", Status.UNKNOWN_LEASE)
     if len(group) != count:
-        _revoke(group)
+        end_group(conn, group)
         raise _bad(f"{count} items for a reservation of {len(group)}")
     return group
 
@@ -400,23 +445,31 @@ def _reply_statuses(conn: "Connection", frame: "Frame", statuses: bytearray, siz
     if not frame.flags & FLAG_REGRANT:
         conn.reply(frame, frame.count, statuses)
         return
-    grant = _reserved_table(conn, [(OK, lambda size=size: conn.store.grant(size)) for size in sizes])
+    grant = _reserved_table(conn, [(OK, size, None) for size in sizes])
     conn.reply(frame, frame.count, bytes(statuses) + grant)
 
 
 def _register(conn: "Connection", group: list) -> int:
     """Keep a reservation group on the connection; its id (0 when nothing was reserved)."""
-    if not any(res is not None for res, _ in group):
+    if not any(item[0] is not None for item in group):
         return 0
     group_id = conn.new_id()
     conn.reservations[group_id] = group
     return group_id
 
 
-def _revoke(group: list) -> None:
-    for res, _ in group:
-        if res is not None and res.open:
-            res.revoke()
+def end_group(conn: "Connection", group: list) -> None:
+    """A reservation group is done (published, aborted, failed, or its connection ended):
+    revoke what it still holds and give back what it borrowed from the allowance."""
+    borrowed = sum(item[3] for item in group)
+    try:
+        for res, *_ in group:
+            if res is not None and res.open:
+                res.revoke()
+    finally:
+        if borrowed:
+            conn.server.allowance.give(borrowed)
+
 
 
 def op_pull(conn: "Connection", frame: "Frame") -> None:

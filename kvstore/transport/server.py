@@ -12,6 +12,12 @@ TTL, so an idle same-host client (which releases late, with its next
 request) cannot pin blocks forever. The same thread keeps the DRAM tier's
 block directory marked alive for same-host one-sided readers.
 
+What one client may hold is bounded (limits.py): at most ``max_connections``
+connections at once (one more is refused with a BUSY error frame), each closed
+after ``idle_timeout`` seconds without a byte, item tables of at most
+``max_table_bytes``, and the ops that hold node memory (reservations, grants,
+leases) only over the Unix socket.
+
 Thread-safety: ``start``/``stop`` are for the owner's thread; ``_lock``
 guards only the set of live connections (it is never held while calling the
 store, nor while the housekeeping thread expires leases). The store does its own locking.
@@ -30,7 +36,10 @@ from kvstore_client.hostid import machine_id as this_machine_id
 from kvstore_client.wire import MAX_ITEMS, VERSION
 from kvstore.node.puller import BlockPuller
 from kvstore.node.store import BlockStore
+from kvstore.node.config import ConnectionLimits
+from kvstore.transport.allowance import Allowance
 from kvstore.transport.connection import Connection
+from kvstore.transport.limits import Refusals, set_idle_timeout
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +54,12 @@ class DataPlaneServer:
     """Serves ``store``'s blocks to SDK clients: TCP on ``host:port``, and a Unix
     socket at ``unix_path`` when given (same-host clients; the shared-memory
     transport uses it as its control channel). Read leases not released within
-    ``lease_ttl`` seconds expire (None: never)."""
+    ``lease_ttl`` seconds expire (None: never). ``limits``: what each client may hold
+    (default: the store config's ``connections``)."""
 
     def __init__(self, store: BlockStore, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None,
                  node_id: str = "", machine_id: str = "", max_frame_bytes: int | None = None,
-                 lease_ttl: float | None = DEFAULT_LEASE_TTL):
+                 lease_ttl: float | None = DEFAULT_LEASE_TTL, limits: ConnectionLimits | None = None):
         max_block = store.config.max_block_bytes
         if max_frame_bytes is None:
             max_frame_bytes = max(64 * MiB, max_block + MiB)
@@ -65,6 +75,9 @@ class DataPlaneServer:
         self.machine_id = machine_id or this_machine_id()
         self.max_frame_bytes = max_frame_bytes
         self.lease_ttl = lease_ttl
+        self.limits = limits or getattr(store.config, "connections", None) or ConnectionLimits()
+        self._refusals = Refusals()
+        self.allowance = Allowance(max_frame_bytes)  # RESERVE space past the grant cap, node-wide (ops.py)
         self._stopped = threading.Event()  # wakes the housekeeping thread
         self._listeners: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
@@ -114,6 +127,7 @@ class DataPlaneServer:
             listener.close()
         for thread in self._threads:
             thread.join(timeout)
+        self._refusals.close_due(everything=True)
         for conn, _ in live:
             conn.shutdown()
         for _, thread in live:
@@ -143,6 +157,9 @@ class DataPlaneServer:
             "max_frame_bytes": self.max_frame_bytes,
             "max_items": MAX_ITEMS,
             "lease_ttl": self.lease_ttl,
+            "max_table_bytes": self.limits.max_table_bytes,
+            "max_connections": self.limits.max_connections,
+            "idle_timeout": self.limits.idle_timeout,
             "directory": None if directory is None else directory.name,
         }
 
@@ -172,6 +189,8 @@ class DataPlaneServer:
         while True:
             if directory is not None:
                 directory.beat(DIRECTORY_LIFETIME)
+            if len(self._refusals):
+                self._refusals.close_due()
             if self._stopped.wait(period):
                 return
             if ttl is not None:
@@ -187,6 +206,7 @@ class DataPlaneServer:
                 log.exception("expiring the leases of data-plane connection %s failed", conn.peer)
 
     def _serve_later(self, sock: socket.socket, peer) -> None:
+        set_idle_timeout(sock, self.limits.idle_timeout)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         else:  # Unix: raise the small default buffers (TCP autotunes better than any fixed size)
@@ -198,7 +218,13 @@ class DataPlaneServer:
             if self._stopping:
                 sock.close()
                 return
-            self._connections[conn] = thread
+            full = len(self._connections) >= self.limits.max_connections
+            if not full:
+                self._connections[conn] = thread
+        if full:
+            log.debug("refusing data-plane connection %s: %d connections served", peer, self.limits.max_connections)
+            self._refusals.refuse(sock)
+            return
         thread.start()
 
     def _serve(self, conn: Connection) -> None:

@@ -1,0 +1,95 @@
+"""What a node's data plane allows one client: the policy half of its resource limits.
+
+- Ops that hold node memory for a client (RESERVE, COMMIT and STORE: reservations and
+  grants; LEASE: pinned blocks) are served only over same-host connections, those that
+  came in through the node's Unix socket; over TCP they are refused (SAME_HOST_ONLY).
+- At most ``max_connections`` connections are served at once; one more gets a BUSY error
+  frame and is closed (``Refusals``).
+- A connection that sends nothing for ``idle_timeout`` seconds is closed: the kernel's
+  receive and send timeouts (SO_RCVTIMEO, SO_SNDTIMEO) end the blocked call, so the hot
+  path pays no extra syscall for it.
+
+The numbers come from ``kvstore.node.config.ConnectionLimits``; the server and the
+connections apply them (server.py, connection.py). Spec: proto/dataplane.md, Connections.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import struct
+import time
+
+from kvstore_client.wire import FLAG_REPLY, Op, Status, pack_header
+
+SAME_HOST_OPS = frozenset({Op.RESERVE, Op.COMMIT, Op.STORE, Op.LEASE})
+_TIMEVAL = struct.Struct("@ll")  # struct timeval (seconds, microseconds)
+
+
+def same_host(sock: socket.socket) -> bool:
+    """Whether a connection came from this host: through the Unix socket."""
+    return sock.family == socket.AF_UNIX
+
+
+def set_idle_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Make a blocked recv or send on ``sock`` fail (OSError) after ``seconds`` without progress."""
+    if seconds is None:
+        return
+    whole = int(seconds)
+    value = _TIMEVAL.pack(whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
+class Refusals:
+    """Connections turned away over the cap. Each is sent a BUSY error frame at once and its
+    write side shut; it is closed ``GRACE`` seconds later, after draining what it sent
+    meanwhile (closing with unread input would reset the connection and could destroy the
+    frame before the client reads it). At most ``MAX_WAITING`` wait; past that the oldest is
+    closed at once. Called by the accepting threads (``refuse``) and the housekeeping thread
+    (``close_due``); the deque's appends and pops are atomic."""
+
+    GRACE = 0.5
+    MAX_WAITING = 64
+
+    def __init__(self) -> None:
+        self._waiting: collections.deque = collections.deque()  # (close at, socket)
+        message = b"node busy: it serves its maximum of connections; try again later"
+        self._frame = pack_header(Op.ERROR, 0, 0, len(message), status=Status.BUSY, flags=FLAG_REPLY) + message
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def refuse(self, sock: socket.socket) -> None:
+        try:
+            sock.setblocking(False)
+            sock.send(self._frame)  # a fresh socket's send buffer always has room for it
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            sock.close()
+            return
+        self._waiting.append((time.monotonic() + self.GRACE, sock))
+        while len(self._waiting) > self.MAX_WAITING:
+            _close(self._waiting.popleft()[1])
+
+    def close_due(self, now: float | None = None, everything: bool = False) -> None:
+        """Close the refused connections whose grace has passed (all with ``everything``)."""
+        now = time.monotonic() if now is None else now
+        while self._waiting:
+            try:
+                if not everything and self._waiting[0][0] > now:
+                    return
+                _, sock = self._waiting.popleft()
+            except IndexError:
+                return
+            _close(sock)
+
+
+def _close(sock: socket.socket) -> None:
+    """Drain what a refused client sent (non-blocking), then close."""
+    try:
+        while sock.recv(65536):
+            pass
+    except OSError:
+        pass
+    sock.close()
