@@ -61,7 +61,8 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--data-dir", default="./kvstore-data", show_default=True, help="Where the SSD tier lives.")
+@click.option("--data-dir", default=None,
+              help="Where the SSD tier lives  [default: a temporary directory, removed afterwards]")
 @click.option("--dram", type=SIZE, default="64MiB", show_default=True, help="DRAM tier capacity.")
 @click.option("--ssd", type=SIZE, default="256MiB", show_default=True, help="SSD tier capacity.")
 @click.option("--blocks", type=int, default=96, show_default=True, help="How many blocks to store.")

@@ -1,10 +1,15 @@
 """An in-process tour of the block store: hash a token stream, store its KV
-blocks, overflow DRAM into SSD, read everything back, and show the tiers."""
+blocks, overflow DRAM into SSD, read everything back, and show the tiers.
+
+Without a data dir it works in a temporary one, removed afterwards: it never
+opens the service's data dir (``./kvstore-data``), whose SSD tier a running
+node may hold."""
 
 from __future__ import annotations
 
 import os
 import random
+import tempfile
 import time
 
 from kvstore_client.hashing import BlockHasher
@@ -18,8 +23,13 @@ def fake_kv_block(key_digest: bytes, size: int) -> bytes:
     return random.Random(key_digest).randbytes(size)
 
 
-def run_demo(data_dir: str, dram: int, ssd: int, blocks: int, block_bytes: int, policy: str, echo=print) -> dict:
-    """Store ``blocks`` blocks through a real BlockStore and verify every byte read back."""
+def run_demo(data_dir: str | None, dram: int, ssd: int, blocks: int, block_bytes: int, policy: str,
+             echo=print) -> dict:
+    """Store ``blocks`` blocks through a real BlockStore and verify every byte read back
+    (in ``data_dir``, or a temporary directory when it is None)."""
+    if data_dir is None:
+        with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as scratch:
+            return run_demo(scratch, dram, ssd, blocks, block_bytes, policy, echo)
     os.makedirs(data_dir, exist_ok=True)
     config = StoreConfig(dram_capacity=dram, ssd_path=os.path.join(data_dir, "ssd"), ssd_capacity=ssd,
                          max_block_bytes=block_bytes, policy=policy)

@@ -142,3 +142,31 @@ def test_placement_rejects_nonsense():
         Placement(replication_factor=0)
     with pytest.raises(InvalidRequest):
         Placement().choose(NODES, replicas=-1)
+
+
+# -- a node id is bound to the credential that registered it while its lease is live ----------------
+
+
+def test_a_live_id_is_refused_to_another_credential_and_nothing_changes(members, clock):
+    from kvstore.master.membership import NodeIdInUse
+
+    members.register(NodeInfo("a", data_address="h:1"), credential="first")
+    members.report("a", blocks(1, 2), credential="first")
+    for credential, address in (("second", "h:1"), ("second", "h:2"), ("", "h:1"), ("first", "h:2")):
+        with pytest.raises(NodeIdInUse, match="'a'"):
+            members.register(NodeInfo("a", data_address=address), credential=credential)
+    with pytest.raises(NodeIdInUse):
+        members.heartbeat("a", credential="second")
+    with pytest.raises(NodeIdInUse):
+        members.report("a", [], full_inventory=True, credential="second")
+    assert members.get("a").info.data_address == "h:1" and members.index.size() == 2
+    members.register(NodeInfo("a", data_address="h:1"), credential="first")  # its own process again: fine
+    assert members.heartbeat("a", credential="first")
+
+
+def test_the_id_is_free_once_the_lease_lapses(members, clock):
+    members.register(NodeInfo("a", data_address="h:1"), credential="old run")
+    clock.now += 5.01  # silent past ttl_s, swept or not: the restarted node takes its id back
+    members.register(NodeInfo("a", data_address="h:2"), credential="new run")
+    assert members.heartbeat("a", credential="new run")
+    assert members.get("a").info.data_address == "h:2"

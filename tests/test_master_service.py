@@ -148,7 +148,17 @@ def test_list_keys_pages(stub, cluster):
         pb.BlockEvent(kind=pb.BlockEvent.KIND_UNSPECIFIED, tier=pb.DRAM, digest=d(1))])])),
     ("ReportBlocks", pb.BlockReport(node_id="a", batches=[pb.EventBatch(namespace="", events=[])])),
     ("Register", pb.RegisterRequest(info=pb.NodeInfo(node_id=""))),
+    *[("Register", pb.RegisterRequest(info=pb.NodeInfo(node_id="new", **bad))) for bad in (
+        {"data_address": "no-port"}, {"data_address": "h:0"}, {"data_address": "h:65536"},
+        {"data_address": "h:70x"}, {"data_address": "two words:7000"}, {"data_address": "h:7000\n"},
+        {"data_address": ":7000"}, {"metrics_address": "x"}, {"host": "a\0b"}, {"machine_id": "m" * 300},
+        {"unix_socket": "relative.sock"}, {"unix_socket": "/" + "s" * 200}, {"shm_arena": "../etc/passwd"},
+        {"arena_pages": "giant"})],
     ("Heartbeat", pb.HeartbeatRequest(node_id="")),
+    *[("Heartbeat", pb.HeartbeatRequest(node_id="a", tiers=tiers)) for tiers in (
+        [pb.TierStats(tier="dram", capacity=1 << 63)], [pb.TierStats(tier="ssd", used=1 << 61)],
+        [pb.TierStats(tier="dram", hits=1 << 63)], [pb.TierStats(tier="")], [pb.TierStats(tier="dram\n")],
+        [pb.TierStats(tier="dram"), pb.TierStats(tier="DRAM")], [pb.TierStats(tier=f"t{i}") for i in range(9)])],
     ("Place", pb.PlaceRequest(namespace="")),
     ("ListKeys", pb.ListKeysRequest(namespace="", start_after=d(1))),
 ])

@@ -3,7 +3,16 @@
 Pure Python, no grpc. A node registers with a stable ``node_id``; registering
 again (the node restarted, or the master told it it was unknown) replaces its
 info and starts a fresh session: its index entries are dropped until it
-reports its inventory. A node silent (no heartbeat, no report) for longer
+reports its inventory.
+
+Node-id binding: a registration binds the id to the registrant's *credential*
+(an opaque string; today the node process's random incarnation, see
+``kvstore.master.credentials``) and its advertised data address. While that
+lease is live, only the same credential at the same address may register the
+id again, and only the same credential may heartbeat or report for it;
+anything else raises :class:`NodeIdInUse` and changes nothing. Once the lease
+lapses the id is free, so a node restarted on its data dir (a new
+incarnation) takes it back. A node silent (no heartbeat, no report) for longer
 than ``ttl_s`` is dropped by :meth:`Membership.expire`, and its blocks leave
 the index. The clock is injectable so tests can move time by hand.
 
@@ -17,6 +26,7 @@ applied for a node that is being dropped.
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -24,8 +34,15 @@ from typing import Callable, Iterable
 
 from kvstore.master.errors import InvalidRequest
 from kvstore.master.index import Batch, PrefixIndex
+from kvstore_client.errors import KVStoreError
 
 MAX_NODE_ID_LEN = 256
+
+
+class NodeIdInUse(KVStoreError):
+    """A live node holds this node id under another credential (a second process with the
+    same id, or a forged message): refused, nothing changed. Not a ValueError: the request is
+    well formed, the id is taken (gRPC ALREADY_EXISTS)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,7 @@ class NodeState:
     last_seen: float
     tiers: tuple[TierStats, ...] = field(default=())
     placed: int = 0  # bytes of puts placed on it since its latest heartbeat (not in ``used`` yet)
+    credential: str = field(default="", repr=False)  # who registered it (secret: never shown or sent)
 
     @property
     def node_id(self) -> str:
@@ -105,20 +123,31 @@ class Membership:
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeState] = {}
 
-    def register(self, info: NodeInfo) -> None:
-        """Add or replace a node; its index entries start empty (it reports its inventory next)."""
+    def register(self, info: NodeInfo, credential: str = "") -> None:
+        """Add or replace a node; its index entries start empty (it reports its inventory next).
+
+        NodeIdInUse if the id is held by a live node with another credential or data address.
+        """
         check_node_id(info.node_id)
         with self._lock:
             now = self._clock()
-            self._nodes[info.node_id] = NodeState(info=info, registered_at=now, last_seen=now)
+            held = self._nodes.get(info.node_id)
+            if held is not None and held.last_seen >= now - self.ttl_s and not (
+                    _same(held.credential, credential) and held.info.data_address == info.data_address):
+                raise NodeIdInUse(
+                    f"node id {info.node_id!r} is held by a live node at {held.info.data_address or '(no address)'}"
+                    f" registered by another process; it is free once that node is silent for {self.ttl_s:g}s")
+            self._nodes[info.node_id] = NodeState(info=info, registered_at=now, last_seen=now, credential=credential)
             self.index.reset_node(info.node_id)
 
-    def heartbeat(self, node_id: str, tiers: Iterable[TierStats] = ()) -> bool:
-        """Renew the node's lease and record its tier figures. False if the node is unknown."""
+    def heartbeat(self, node_id: str, tiers: Iterable[TierStats] = (), credential: str = "") -> bool:
+        """Renew the node's lease and record its tier figures. False if the node is unknown;
+        NodeIdInUse if it was registered with another credential."""
         with self._lock:
             state = self._nodes.get(node_id)
             if state is None:
                 return False
+            _check_holder(state, credential)
             self._nodes[node_id] = replace(state, last_seen=self._clock(), tiers=tuple(tiers), placed=0)
             return True
 
@@ -139,11 +168,17 @@ class Membership:
             self._nodes[node_id] = replace(state, last_seen=self._clock())
             return True
 
-    def report(self, node_id: str, batches: Iterable[Batch], full_inventory: bool = False) -> bool:
+    def report(self, node_id: str, batches: Iterable[Batch], full_inventory: bool = False,
+               credential: str = "") -> bool:
         """Apply a node's block events (or replace its inventory). False if the node is unknown.
 
-        Bad events raise (InvalidKey / InvalidRequest) before anything changes.
+        Bad events raise (InvalidKey / InvalidRequest), and a credential other than the
+        registrant's raises NodeIdInUse, before anything changes.
         """
+        with self._lock:
+            state = self._nodes.get(node_id)
+            if state is not None:
+                _check_holder(state, credential)
         index = self.index
         applied = (index.replace_inventory if full_inventory else index.apply)(node_id, batches)
         if applied:
@@ -198,3 +233,13 @@ class Membership:
     def __len__(self) -> int:
         with self._lock:
             return len(self._nodes)
+
+
+def _same(held: str, offered: str) -> bool:
+    """Credentials compared in constant time (they are secrets)."""
+    return hmac.compare_digest(held.encode(), offered.encode())
+
+
+def _check_holder(state: NodeState, credential: str) -> None:
+    if not _same(state.credential, credential):
+        raise NodeIdInUse(f"node id {state.node_id!r} is registered by another process; this one may not speak for it")

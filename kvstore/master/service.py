@@ -27,15 +27,18 @@ import threading
 import grpc
 
 from kvstore.master import index as ix
+from kvstore.master.credentials import credential_of
 from kvstore.master.errors import InvalidRequest
 from kvstore.master.membership import (
     NODE_INFO_FIELDS,
     TIER_STATS_FIELDS,
     Membership,
+    NodeIdInUse,
     NodeInfo,
     TierStats,
     check_node_id,
 )
+from kvstore.master.validation import check_node_info, check_tier_stats
 from kvstore.master.placement import Candidate, Placement
 from kvstore_client.errors import InvalidKey, KVStoreError, Overloaded, UnknownNamespace
 from kvstore_client.keys import check_namespace
@@ -58,6 +61,8 @@ def status_for(error: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, UnknownNamespace):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(error, NodeIdInUse):
+        return grpc.StatusCode.ALREADY_EXISTS
     if isinstance(error, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(error, ValueError):  # other KVStoreError value errors: still the caller's input
@@ -127,21 +132,27 @@ class MasterServicer(pb_grpc.MasterServicer):
             return dict(self._counts)
 
     # -- membership ------------------------------------------------------------------------
+    # A node id is bound to the credential that registered it (``kvstore.master.credentials``):
+    # a Register, Heartbeat or ReportBlocks for a live id under another one is ALREADY_EXISTS.
     @_rpc
     def Register(self, request, context):
-        self.membership.register(info_from_pb(request.info))
+        info = check_node_info(info_from_pb(request.info))
+        self.membership.register(info, credential=credential_of(context))
         return pb.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s, ttl_s=self.membership.ttl_s)
 
     @_rpc
     def Heartbeat(self, request, context):
         check_node_id(request.node_id)
-        return pb.HeartbeatReply(known=self.membership.heartbeat(request.node_id, tiers_from_pb(request.tiers)))
+        tiers = check_tier_stats(tiers_from_pb(request.tiers))
+        known = self.membership.heartbeat(request.node_id, tiers, credential=credential_of(context))
+        return pb.HeartbeatReply(known=known)
 
     @_rpc
     def ReportBlocks(self, request, context):
         check_node_id(request.node_id)
         batches = [(b.namespace, [(e.kind, e.tier, e.digest) for e in b.events]) for b in request.batches]
-        known = self.membership.report(request.node_id, batches, full_inventory=request.full_inventory)
+        known = self.membership.report(request.node_id, batches, full_inventory=request.full_inventory,
+                                       credential=credential_of(context))
         return pb.ReportReply(known=known)
 
     # -- lookups -----------------------------------------------------------------------------

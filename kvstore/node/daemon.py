@@ -1,4 +1,10 @@
-"""A storage node: a BlockStore served on the data plane and reported to the master."""
+"""A storage node: a BlockStore served on the data plane and reported to the master.
+
+What it owns on disk is private to its user: the data dir is 0700 and held
+by one process at a time (``kvstore.node.data_dir_lock``), the node id file
+and the Unix socket are 0600. It pulls blocks (PULL) only from nodes the
+master lists as live (``kvstore.node.peers``).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +19,11 @@ from dataclasses import dataclass
 from kvstore_client.hostid import machine_id
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore.node.config import StoreConfig
+from kvstore.node.data_dir_lock import DataDirLock
+from kvstore.node.peers import RegisteredPeers, refuse_all
 from kvstore.node.store import BlockStore
 from kvstore.tiers.arena import shm_dir
+from kvstore.tiers.private import private_dir
 
 log = logging.getLogger(__name__)
 SOCKET_PREFIX, SOCKET_SUFFIX = "kvstore-", ".sock"  # a node's Unix socket: kvstore-<node id>.sock
@@ -78,11 +87,15 @@ def stable_node_id(data_dir: str | None) -> str:
         with open(path) as f:
             return f.read().strip()
     except FileNotFoundError:
-        os.makedirs(data_dir, exist_ok=True)
-        node_id = f"node-{secrets.token_hex(4)}"
-        with open(path, "w") as f:
-            f.write(node_id + "\n")
-        return node_id
+        private_dir(data_dir)
+    node_id = f"node-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process made it meanwhile: its id it is
+        return stable_node_id(data_dir)
+    with open(fd, "w") as f:
+        f.write(node_id + "\n")
+    return node_id
 
 
 class StorageNode:
@@ -96,8 +109,19 @@ class StorageNode:
         self.server = None
         self.metrics = None
         self.agent = None
+        self.lock: DataDirLock | None = None
 
     def start(self) -> "StorageNode":
+        """Lock the data dir (DataDirInUse if another process holds it), open the store, serve."""
+        if self.options.data_dir is not None:
+            self.lock = DataDirLock(self.options.data_dir).acquire()
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> "StorageNode":
         from kvstore.transport.server import DataPlaneServer
 
         opts = self.options
@@ -108,6 +132,9 @@ class StorageNode:
             unix_path = os.path.join(shm_dir(), f"{SOCKET_PREFIX}{self.node_id}{SOCKET_SUFFIX}")
         self.server = DataPlaneServer(self.store, host=opts.host, port=opts.port, unix_path=unix_path,
                                       node_id=self.node_id, machine_id=machine_id()).start()
+        if unix_path is not None:
+            os.chmod(unix_path, 0o600)  # only this user's clients (connect needs write permission)
+        self.server.puller.sources = refuse_all  # no master, no registered nodes to pull from
         if opts.metrics_port is not None:
             from kvstore.metrics import MetricsServer
             from kvstore.node.node_metrics import node_metrics
@@ -117,8 +144,13 @@ class StorageNode:
             from kvstore.node.master_agent import MasterAgent
 
             self.agent = MasterAgent(opts.master, self.info(), self.store).start()
+            self.server.puller.sources = RegisteredPeers(self.agent.live_data_addresses).allows
             if not self.agent.wait_registered(opts.register_wait_s):
-                log.warning("master %s not reachable yet: serving, and registering as soon as it is", opts.master)
+                if self.agent.refused:
+                    log.warning("master %s refuses node id %s (%s): serving, and registering as soon as it "
+                                "accepts", opts.master, self.node_id, self.agent.refused)
+                else:
+                    log.warning("master %s not reachable yet: serving, and registering as soon as it is", opts.master)
         log.info("node %s serving data on %s", self.node_id, self.server.address)
         arena = self.store._dram.arena
         if arena.pages in ("4KiB", "mixed"):
@@ -154,3 +186,5 @@ class StorageNode:
                 part.stop()
         if self.store is not None:
             self.store.close()
+        if self.lock is not None:
+            self.lock.release()

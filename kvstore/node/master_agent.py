@@ -5,12 +5,19 @@ restarted, or let this node's lease expire) the agent registers again and
 sends the node's whole inventory, which rebuilds the master's index.
 Events are batched (every ``flush_interval`` or ``max_batch`` events) so the
 put path never waits on the master; a master that is down only delays them.
+
+Every membership call carries this process's incarnation (a random secret,
+``kvstore.master.credentials``): the master binds the node id to it while the
+lease is live. A Register it refuses (ALREADY_EXISTS: another live process
+holds the id, e.g. the previous run of this node whose lease has not lapsed
+yet) is said once, clearly, and retried until the master accepts it.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import threading
 import time
 
@@ -19,6 +26,7 @@ import grpc
 from kvstore_client.client import GRPC_OPTIONS
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.master.credentials import node_metadata
 from kvstore.node.store import BlockStore
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,8 @@ class MasterAgent:
         self._store = store
         self._master_address = master_address
         self._unreachable = False  # said once, not on every retry
+        self.refused: str | None = None  # why the master refuses this node id, while it does
+        self._metadata = node_metadata(secrets.token_hex(16))  # this process's incarnation
         self._channel = grpc.insecure_channel(master_address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.MasterStub(self._channel)
         self._events: collections.deque = collections.deque()
@@ -93,9 +103,17 @@ class MasterAgent:
                     next_heartbeat = time.monotonic() + self._heartbeat_interval
                 self._flush()
             except grpc.RpcError as exc:
-                if not self._unreachable:
-                    log.warning("master %s unreachable (%s): retrying every second", self._master_address, exc.code())
-                self._unreachable = True
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    self._on_refused(exc.details())
+                elif exc.code() == grpc.StatusCode.INVALID_ARGUMENT:  # a bug or a bad flag: say what, once
+                    if exc.details() != self.refused:
+                        log.warning("the master refuses this node's message: %s; retrying", exc.details())
+                    self.refused = exc.details()
+                else:
+                    if not self._unreachable:
+                        log.warning("master %s unreachable (%s): retrying every second", self._master_address,
+                                    exc.code())
+                    self._unreachable = True
                 self._registration.clear()
                 self._stop.wait(min(self._heartbeat_interval, 1.0))
                 continue
@@ -105,8 +123,16 @@ class MasterAgent:
         except grpc.RpcError:
             pass
 
+    def _on_refused(self, details: str) -> None:
+        if self.refused is None:
+            log.warning("the master refuses node id %s: %s; retrying until it is free (another process with this "
+                        "node id? it may be this node's previous run, whose lease has not lapsed yet)",
+                        self.info.node_id, details)
+        self.refused = details
+        self._registration.clear()
+
     def _register(self) -> None:
-        reply = self._stub.Register(pb.RegisterRequest(info=self.info), timeout=5)
+        reply = self._stub.Register(pb.RegisterRequest(info=self.info), timeout=5, metadata=self._metadata)
         if reply.heartbeat_interval_s > 0:
             self._heartbeat_interval = reply.heartbeat_interval_s
         inventory = self._store.inventory(then=self._events.clear)
@@ -114,14 +140,18 @@ class MasterAgent:
             chunk = inventory[start : start + _INVENTORY_CHUNK]
             report = self._report([(key, pb.BlockEvent.STORED, _TIERS[tier]) for key, tier in chunk],
                                   full_inventory=start == 0)
-            self._stub.ReportBlocks(report, timeout=30)
+            self._stub.ReportBlocks(report, timeout=30, metadata=self._metadata)
         self._registration.set()
         self._unreachable = False
+        if self.refused is not None:
+            log.info("the master accepts node id %s again", self.info.node_id)
+        self.refused = None
         log.info("registered with the master as %s (%d blocks)", self.info.node_id, len(inventory))
 
     def _heartbeat(self) -> None:
         reply = self._stub.Heartbeat(
-            pb.HeartbeatRequest(node_id=self.info.node_id, tiers=tier_stats(self._store.stats())), timeout=5)
+            pb.HeartbeatRequest(node_id=self.info.node_id, tiers=tier_stats(self._store.stats())), timeout=5,
+            metadata=self._metadata)
         if not reply.known:
             self._registration.clear()
 
@@ -137,10 +167,16 @@ class MasterAgent:
             batch = []
             while self._events and len(batch) < self._max_batch:
                 batch.append(self._events.popleft())
-            if not self._stub.ReportBlocks(self._report(batch, full_inventory=False), timeout=10).known:
+            report = self._report(batch, full_inventory=False)
+            if not self._stub.ReportBlocks(report, timeout=10, metadata=self._metadata).known:
                 self._registration.clear()  # the next registration resends everything
             if len(batch) < self._max_batch and not drain:
                 return
+
+    def live_data_addresses(self) -> set[str]:
+        """Data addresses of the nodes whose lease the master holds live (grpc.RpcError if it cannot say)."""
+        reply = self._stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+        return {n.info.data_address for n in reply.nodes if n.alive and n.info.data_address}
 
     def _report(self, events: list, full_inventory: bool) -> pb.BlockReport:
         by_namespace: dict[str, list] = {}

@@ -8,6 +8,12 @@ from the source's reply, verified against the source's checksum, and
 committed; a damaged or interrupted one is revoked, so nothing half-copied
 becomes visible. Connections to sources are kept for reuse.
 
+Sources are checked before anything is dialled: ``sources(address)`` must
+say yes (the node sets it to "a live registered node's data address",
+``kvstore.node.peers``; the default refuses every address), else each item is
+answered SOURCE_UNAVAILABLE and no connection is made, so a client cannot
+make a node connect wherever it names.
+
 Thread-safe: each data-plane connection thread pulls on a connection of its own.
 """
 
@@ -15,11 +21,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 from kvstore_client.errors import KVStoreError
 from kvstore_client.transport import TcpConnection
 from kvstore_client.wire import Status, status_of
 
+from kvstore.node.peers import refuse_all
 from kvstore.node.reservation import Reservation
 from kvstore.node.store import BlockStore
 
@@ -30,15 +38,21 @@ IDLE_PER_SOURCE = 2  # connections kept open to each source node
 class BlockPuller:
     """Copies blocks from other nodes into ``store``."""
 
-    def __init__(self, store: BlockStore, timeout: float = 30.0):
+    def __init__(self, store: BlockStore, timeout: float = 30.0, sources: Callable[[str], bool] = refuse_all):
         self._store = store
         self._timeout = timeout
+        self.sources = sources  # which "host:port" this node may pull from
         self._idle: dict[str, list[TcpConnection]] = {}
         self._lock = threading.Lock()
 
     def pull(self, source: str, keys: list, depths: list[int]) -> list[int]:
         """Copy ``keys`` from the node at ``source`` ("host:port"): a wire status per key
-        (OK, NOT_FOUND where the source has no such block, SOURCE_UNAVAILABLE, ...)."""
+        (OK, NOT_FOUND where the source has no such block, SOURCE_UNAVAILABLE, ...).
+        A source ``sources`` refuses gets SOURCE_UNAVAILABLE for every key, undialled."""
+        if not self.sources(source):
+            log.warning("refusing to pull %d blocks from %s: not a live registered node's data address",
+                        len(keys), source[:80])
+            return [int(Status.SOURCE_UNAVAILABLE)] * len(keys)
         statuses = [int(Status.NOT_FOUND)] * len(keys)
         placed: dict[int, Reservation] = {}
 

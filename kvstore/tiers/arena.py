@@ -6,6 +6,7 @@ file by name and copy blocks without a socket in the data path. The creator
 unlinks it on close, or at interpreter exit if it was never closed;
 ``attach`` opens an existing one. Names carry the creator's pid, so arenas
 left behind by a process that was killed are removed by the next ``create``.
+The file is 0600 (``kvstore.tiers.private``): only the node's user maps it.
 """
 
 from __future__ import annotations

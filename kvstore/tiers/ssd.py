@@ -30,6 +30,7 @@ import xxhash
 from kvstore_client.errors import BufferTooSmall, CapacityError, ConfigError, InvalidKey, InvalidValue
 from kvstore_client.keys import BlockKey
 from kvstore.sharded import ShardedDict
+from kvstore.tiers.private import FILE_MODE, private_dir, tighten
 
 MAGIC = b"KVS\x01"  # last byte is the record format version
 HEADER = struct.Struct("<4sIQQ")  # magic, depth, checksum, payload size
@@ -116,10 +117,12 @@ class SsdTier:
         self.checksum_failures = 0  # reads that found a damaged record (then deleted)
         self.bad_records = 0  # records with a bad key or header, deleted on open
         self.bytes_written = 0  # payload bytes committed since open (what wears the device)
-        os.makedirs(path, exist_ok=True)
+        private_dir(path)
+        for name in ("data.mdb", "lock.mdb"):  # made 0644 by older versions
+            tighten(os.path.join(path, name))
         self._env = lmdb.Environment(
             path, map_size=map_size_for(capacity), subdir=True, sync=sync, metasync=sync,
-            readahead=False, max_readers=512, lock=True,
+            readahead=False, max_readers=512, lock=True, mode=FILE_MODE,
         )
         self._env.reader_check()  # free reader slots left by a killed process
         self._load()
