@@ -19,6 +19,16 @@ def median_rate(fn: Callable[[], int], repeats: int) -> float:
     return statistics.median(rates)
 
 
+def die_with_parent() -> None:
+    """A ``preexec_fn`` for helper processes: SIGTERM when the benchmark dies, however it dies
+    (Linux; elsewhere a no-op), so a killed benchmark leaves no pool or server behind."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def emit(result: dict, as_json: bool, table: Callable[[dict], str]) -> None:
     """Print ``result`` as JSON or through ``table``."""
     if as_json:

@@ -21,6 +21,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from bench.common import die_with_parent
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OFFLOADING_SKIPS = [
     "vLLM OffloadingConnector: does not start on vLLM's CPU backend "
@@ -76,7 +78,8 @@ def start_lmcache(log_path: str, *, block_size: int, size_gb: float = 4.0,
              "server", "--host", "127.0.0.1", "--port", str(port), "--http-host", "127.0.0.1",
              "--http-port", str(http_port), "--chunk-size", str(block_size), "--l1-size-gb", str(size_gb),
              "--eviction-policy", "LRU",
-             "--supported-transfer-mode", "auto"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+             "--supported-transfer-mode", "auto"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            preexec_fn=die_with_parent)
     deadline = time.monotonic() + start_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

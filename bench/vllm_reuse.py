@@ -38,17 +38,19 @@ import tempfile
 import time
 from contextlib import ExitStack
 
-from bench.common import emit, markdown_table
+from bench.common import die_with_parent, emit, markdown_table
 from bench.vllm_engine import EngineProcess, make_llama
 
 TARGETS = {"hit_vs_recompute_4k": 0.2, "load_vs_memcpy": 0.5, "save_overhead": 0.10}
 
 
 def start_pool(tmp: str, dram: str) -> tuple[subprocess.Popen, str]:
-    """``kvstore up`` (master and one node, DRAM only) on free loopback ports; (process, master)."""
+    """``kvstore up`` (master and one node, DRAM only) on free loopback ports; (process, master).
+    It ends with the benchmark, even one that is killed (engines end when their stdin closes)."""
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "up", "--port", "0", "--data-port", "0",
                              "--metrics-port", "-1", "--data-dir", os.path.join(tmp, "pool"), "--dram", dram,
-                             "--ssd", "0", "--json"], stdout=subprocess.PIPE, text=True)
+                             "--ssd", "0", "--json"], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent)
     line = proc.stdout.readline()
     if not line:
         raise SystemExit("kvstore up did not start")

@@ -1,7 +1,8 @@
 """Same-host data-plane connection: block bytes move through the node's shared-memory arena.
 
-    ShmConnection("/run/kvstore.sock")   the node's Unix socket (or "host:port") carries
-                                         only small control frames
+    ShmConnection("/run/kvstore.sock")   the node's Unix socket carries only small
+                                         control frames (the node serves the arena's
+                                         writes and leases over it alone, not over TCP)
 
 Reads, fast path: look the key up in the node's block directory (a second
 shared-memory file, ``kvstore_client.directory``), copy the block out of the
@@ -114,7 +115,8 @@ class ShmLease:
 class ShmConnection(ArenaWrites, DataPlaneConnection):
     """Same-host transport: maps the node's DRAM arena (read/write) and copies
     blocks straight between it and caller buffers (see the module docstring).
-    ``target`` is the node's Unix socket path or "host:port". One per thread.
+    ``target`` is the node's Unix socket path (the node refuses arena writes and leases
+    over TCP, with SAME_HOST_ONLY). One per thread.
     """
 
     def __init__(self, target: str, arena_name: str | None = None, *, verify: bool = True,
