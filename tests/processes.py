@@ -69,6 +69,17 @@ def start_node(master: str, data_dir: Path, dram: str = "32MiB", ssd: str = "64M
                     "--dram", dram, "--ssd", ssd, "--max-block", max_block])
 
 
+def recv_exact(sock, n: int) -> bytes:
+    """Exactly ``n`` bytes from a socket; EOFError if it closes first (raw-frame tests)."""
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise EOFError(f"connection closed after {len(out)} of {n} bytes")
+        out += chunk
+    return bytes(out)
+
+
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
     """Poll until ``predicate()`` is truthy; return its value or fail the test."""
     deadline = time.monotonic() + timeout

@@ -45,6 +45,7 @@ from kvstore_client.wire import (
     put_entry,
 )
 from tests.conftest import run_in_threads
+from tests.processes import recv_exact
 
 KiB, MiB = 1 << 10, 1 << 20
 MAX_BLOCK = 2 * MiB
@@ -83,16 +84,6 @@ def same_host(server) -> socket.socket:
     sock.settimeout(5)
     sock.connect(server.unix_path)
     return sock
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise EOFError(f"closed after {len(out)} of {n} bytes")
-        out += chunk
-    return bytes(out)
 
 
 def read_reply(sock: socket.socket) -> tuple[int, int, int, int, bytes]:

@@ -41,7 +41,7 @@ from kvstore_client.wire import (
     pack_header,
     put_entry,
 )
-from tests.processes import ROOT, start_master
+from tests.processes import ROOT, recv_exact, start_master
 
 MiB = 1 << 20
 DRAM, MAX_BLOCK = 256 * MiB, 4 * MiB
@@ -136,16 +136,6 @@ def assert_no_traceback(node: "NodeProcess") -> None:
 
 def key(name: str) -> tuple[str, bytes]:
     return ("ns", xxhash.xxh3_128_digest(name.encode()))
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise EOFError(f"connection closed after {len(out)} of {n} bytes")
-        out += chunk
-    return bytes(out)
 
 
 def read_reply(sock: socket.socket) -> tuple[int, int, int, bytes]:
