@@ -97,8 +97,8 @@ def locally_cached(prompt: list[int], block_size: int) -> int:
     return (len(prompt) - 1) // block_size * block_size
 
 
-@pytest.mark.parametrize("block_size", [32, 64, 128])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# every block size in fp32, and bf16 once (each case starts two engines: CI time is the limit)
+@pytest.mark.parametrize("dtype,block_size", [("float32", 32), ("float32", 64), ("float32", 128), ("bfloat16", 64)])
 def test_a_fresh_engine_loads_the_prefix_another_engine_stored(engines, pool, dtype, block_size):
     want = reference(engines, dtype)
     namespace = f"fresh-{dtype}-{block_size}"
