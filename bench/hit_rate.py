@@ -1,6 +1,6 @@
 """Prefix hit ratio of a request trace through the real policies and DRAM tier.
 
-    python -m bench.hit_rate --trace ../shared/data/conversation_trace.jsonl \
+    python -m bench.hit_rate --trace conversation_trace.jsonl \
         --policy lru --capacity 10000 --json
     python -m bench.hit_rate --trace FILE --table     # every policy x capacity
 

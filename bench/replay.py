@@ -1,6 +1,6 @@
 """Scheduler trace replay: the real Conductor under a simulated clock.
 
-    python -m bench.replay --trace ../shared/data/conversation_trace.jsonl \
+    python -m bench.replay --trace conversation_trace.jsonl \
         --policy kvcache_centric [--prefill 16 --decode 16 --cache-blocks 4000 \
         --speed 1 --admission off] --json
     python -m bench.replay --trace FILE --table policies   # every policy, one table
@@ -30,12 +30,12 @@ Overload, arXiv §7-8.2 (paper, 8P+8D, its 23k trace at 2x: rejected 4183
 baseline, 3771 early, 3589 prediction). Whole trace, 3 seeds (``--jitter-s 1``:
 each arrival delayed by a seeded uniform [0, 1) s; rejected requests per seed 0/1/2):
 
-    python -m bench.replay --trace ../shared/data/conversation_trace.jsonl --table admission \
+    python -m bench.replay --trace conversation_trace.jsonl --table admission \
         --prefill 8 --decode 8 --speed 2 --jitter-s 1 --seeds 0,1,2
     # none 492/496/498, early 492/496/498, prediction 492/496/498: all TTFT-SLO at arrival;
     # mean decode pool load 0.05: decode is never the bottleneck
 
-    python -m bench.replay --trace ../shared/data/conversation_trace.jsonl --table admission \
+    python -m bench.replay --trace conversation_trace.jsonl --table admission \
         --prefill 8 --decode 1 --speed 2 --jitter-s 1 --seeds 0,1,2
     # none       2527/2464/2490 (492-498 at arrival + 1968-2035 after prefill, 1617-1715 s prefill wasted)
     # early      3068/3123/3209 (0 after prefill)
