@@ -152,6 +152,8 @@ def scheduling_options(f):
                      show_default=True, help="Overload rejection: off, none (after prefill), early, prediction."),
         click.option("--ttft-slo", type=float, default=float("inf"), help="TTFT SLO in seconds (default: none)."),
         click.option("--tbt-slo", type=float, default=float("inf"), help="TBT SLO in seconds (default: none)."),
+        click.option("--request-ttl", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,
+                     help="Seconds a scheduled request lives without a lifecycle report before it is forgotten."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -256,12 +258,13 @@ def master(host, port, metrics_port, ttl, replicas, as_json, kv_events, kv_event
 
 
 def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcache_centric",
-                 admission="prediction", ttft_slo=float("inf"), tbt_slo=float("inf"), kv_events=None):
+                 admission="prediction", ttft_slo=float("inf"), tbt_slo=float("inf"), kv_events=None,
+                 request_ttl=3600.0):
     from kvstore.master.conductor_service import SchedulingOptions
     from kvstore.master.server import MasterServer
 
     scheduling = SchedulingOptions(policy=schedule_policy, admission=admission, ttft_slo_s=ttft_slo,
-                                   tbt_slo_s=tbt_slo)
+                                   tbt_slo_s=tbt_slo, request_ttl_s=request_ttl)
     return MasterServer(host=host, port=port, ttl_s=ttl, heartbeat_interval_s=min(1.0, ttl / 3),
                         replication_factor=replicas, scheduling=scheduling, kv_events=kv_events,
                         metrics_port=None if metrics_port < 0 else metrics_port).start()

@@ -20,10 +20,11 @@ COST = CostModel(CostParams(decode_kv_tokens=100_000))
 TBT_SLO = 1.0
 
 
-def make(admission: str, *, prefill: int = 2, decode: int = 1, ttft_slo: float = 1000.0, clock=None) -> Conductor:
+def make(admission: str, *, prefill: int = 2, decode: int = 1, ttft_slo: float = 1000.0, clock=None,
+         **kw) -> Conductor:
     index = PrefixIndex()
     c = Conductor(index, COST, policy="kvcache_centric", admission=admission, ttft_slo=ttft_slo, tbt_slo=TBT_SLO,
-                  namespace=NS, clock=clock or SimClock())
+                  namespace=NS, clock=clock or SimClock(), **kw)
     for i in range(prefill):
         index.add_node(f"n{i}")
         c.register_prefill(f"p{i}", f"n{i}")
@@ -225,6 +226,68 @@ def test_no_instances_and_bad_modes():
         c.register_prefill("p0", "n1")
     with pytest.raises(ConfigError):
         Conductor(PrefixIndex(), admission="sometimes")
+
+
+def test_load_reports_follow_the_registered_role_and_an_idle_decode_report_clears_its_load():
+    c = make("early")
+    limit = c.loads(0.0)["decode"]["d0"]["token_limit"]
+    assert c.report_load("d0", batch=40, context_tokens=limit, now=0.0) == "decode"
+    r = c.schedule(KEYS, 2_000, 100, now=0.0)
+    assert isinstance(r, Rejected) and r.reason == RejectReason.DECODE_OVERLOADED
+    assert c.report_load("d0", now=1.0) == "decode"  # idle: all zeros, still a decode report
+    assert c.loads(1.0)["decode"]["d0"] == {"batch": 0, "tokens": 0, "token_limit": limit}
+    assert isinstance(c.schedule(KEYS, 2_000, 100, now=1.0), Decision)
+    assert c.report_load("p1", queue_len=3, busy_s=50.0, batch=9, context_tokens=9, now=1.0) == "prefill"
+    assert c.loads(1.0)["prefill"]["p1"]["queue_s"] >= 50.0
+    assert c.loads(1.0)["decode"]["d0"]["batch"] == 0  # a prefill engine's decode fields are ignored
+    with pytest.raises(InvalidRequest):
+        c.report_load("nope", now=1.0)
+
+
+def test_a_deregistered_engine_gets_no_new_work_and_its_requests_end():
+    c = make("off", decode=2)
+    dec = run_to_decode(c, "dec", 1_000, now=0.0)              # decoding on dec.decode
+    q = c.schedule(KEYS, 4000, 10, now=1.0, request_id="q")    # queued on q.prefill
+    assert c.deregister(q.prefill, now=1.0) == 1                # "q" ends; "dec" had left prefill
+    assert c.deregister(q.prefill, now=1.0) is None and c.in_flight() == 1
+    with pytest.raises(InvalidRequest):
+        c.prefill_started("q", now=1.0)
+    assert all(d.reserved_tokens == 0 for d in c.registry.decode_instances())  # q's pairing released
+    r = c.schedule(KEYS, 4000, 10, now=2.0, request_id="r")
+    assert r.prefill != q.prefill and r.decode != dec.decode    # paired with the idle decode engine
+    assert c.deregister(r.decode, now=2.0) == 0                 # r was only paired with it
+    c.prefill_started("r", now=2.0)
+    out = c.prefill_finished("r", now=3.0)
+    assert isinstance(out, DecodeAssignment) and out.decode == dec.decode  # paired again at decode
+    assert list(c.loads(3.0)["decode"]) == [dec.decode]
+    assert c.deregister(dec.decode, now=3.0) == 2 and c.in_flight() == 0
+    c.decode_finished("dec", now=4.0)                           # a late report of an ended request: ignored
+    assert c.loads(4.0)["decode"] == {}
+
+
+def test_a_request_never_reported_finished_expires_after_the_ttl():
+    clock = SimClock()
+    c = make("off", prefill=1, clock=clock, request_ttl=10.0)
+    c.schedule(KEYS, 4000, 10, request_id="lost")               # never reported again
+    c.schedule(KEYS, 4000, 10, request_id="live")
+    clock.advance(6.0)
+    c.prefill_started("live")                                   # a report: 10 s more from now
+    clock.advance(5.0)
+    assert c.expire() == 1 and c.expired == 1 and c.in_flight() == 1
+    assert c.loads()["prefill"]["p0"]["assigned"] == 1
+    with pytest.raises(InvalidRequest):
+        c.prefill_started("lost")
+    clock.advance(5.0)                                          # 16 s: "live" is past its TTL too
+    assert c.loads()["prefill"]["p0"]["assigned"] == 0 and c.expired == 2
+    assert isinstance(c.schedule(KEYS, 4000, 10, request_id="lost"), Decision)  # the id is free again
+
+    d = make("off", request_ttl=10.0)                           # a decode that is never reported finished
+    out = run_to_decode(d, "x", 5_000, now=0.0)
+    assert d.loads(now=1.0)["decode"][out.decode]["tokens"] == 5_000
+    assert d.loads(now=1.0 + 10.0 + 60.0)["decode"][out.decode]["tokens"] == 0
+    assert make("off").expire(now=1e12) == 0                    # no TTL by default (replay)
+    with pytest.raises(ConfigError):
+        make("off", request_ttl=0)
 
 
 def test_schedule_is_thread_safe():

@@ -290,6 +290,22 @@ class EngineLoad(_message.Message):
     context_tokens: int
     def __init__(self, namespace: _Optional[str] = ..., engine_id: _Optional[str] = ..., queue_length: _Optional[int] = ..., busy_s: _Optional[float] = ..., running_batch: _Optional[int] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
+class EngineDeregistration(_message.Message):
+    __slots__ = ("namespace", "engine_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    engine_id: str
+    def __init__(self, namespace: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class EngineDeregistered(_message.Message):
+    __slots__ = ("known", "ended_requests")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    ENDED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    ended_requests: int
+    def __init__(self, known: _Optional[bool] = ..., ended_requests: _Optional[int] = ...) -> None: ...
+
 class ScheduleRequest(_message.Message):
     __slots__ = ("namespace", "request_id", "digests", "input_length", "output_length")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -305,7 +321,7 @@ class ScheduleRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., request_id: _Optional[str] = ..., digests: _Optional[_Iterable[bytes]] = ..., input_length: _Optional[int] = ..., output_length: _Optional[int] = ...) -> None: ...
 
 class ScheduleReply(_message.Message):
-    __slots__ = ("request_id", "prefill_engine", "prefill_node", "decode_engine", "prefix_blocks", "prefix_tokens", "fetch_from_node", "fetch_blocks", "estimated_ttft_s", "estimated_tbt_s")
+    __slots__ = ("request_id", "prefill_engine", "prefill_node", "decode_engine", "prefix_blocks", "prefix_tokens", "fetch_from_node", "fetch_blocks", "estimated_ttft_s", "estimated_tbt_s", "reason", "detail")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +332,8 @@ class ScheduleReply(_message.Message):
     FETCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_TBT_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_engine: str
     prefill_node: str
@@ -326,7 +344,9 @@ class ScheduleReply(_message.Message):
     fetch_blocks: int
     estimated_ttft_s: float
     estimated_tbt_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prefill_engine: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_engine: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., fetch_from_node: _Optional[str] = ..., fetch_blocks: _Optional[int] = ..., estimated_ttft_s: _Optional[float] = ..., estimated_tbt_s: _Optional[float] = ...) -> None: ...
+    reason: str
+    detail: str
+    def __init__(self, request_id: _Optional[str] = ..., prefill_engine: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_engine: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., fetch_from_node: _Optional[str] = ..., fetch_blocks: _Optional[int] = ..., estimated_ttft_s: _Optional[float] = ..., estimated_tbt_s: _Optional[float] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class RequestEvent(_message.Message):
     __slots__ = ("namespace", "request_id", "stage")
@@ -351,11 +371,13 @@ class RequestEvent(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., request_id: _Optional[str] = ..., stage: _Optional[_Union[RequestEvent.Stage, str]] = ...) -> None: ...
 
 class RequestEventReply(_message.Message):
-    __slots__ = ("decode_engine", "rejected", "reason")
+    __slots__ = ("decode_engine", "rejected", "reason", "detail")
     DECODE_ENGINE_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     decode_engine: str
     rejected: bool
     reason: str
-    def __init__(self, decode_engine: _Optional[str] = ..., rejected: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    detail: str
+    def __init__(self, decode_engine: _Optional[str] = ..., rejected: _Optional[bool] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...

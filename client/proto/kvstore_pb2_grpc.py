@@ -427,6 +427,11 @@ class ConductorStub:
                 request_serializer=kvstore__pb2.RequestEvent.SerializeToString,
                 response_deserializer=kvstore__pb2.RequestEventReply.FromString,
                 _registered_method=True)
+        self.DeregisterEngine = channel.unary_unary(
+                '/kvstore.v1.Conductor/DeregisterEngine',
+                request_serializer=kvstore__pb2.EngineDeregistration.SerializeToString,
+                response_deserializer=kvstore__pb2.EngineDeregistered.FromString,
+                _registered_method=True)
 
 
 class ConductorServicer:
@@ -456,6 +461,12 @@ class ConductorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeregisterEngine(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConductorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -478,6 +489,11 @@ def add_ConductorServicer_to_server(servicer, server):
                     servicer.ReportRequest,
                     request_deserializer=kvstore__pb2.RequestEvent.FromString,
                     response_serializer=kvstore__pb2.RequestEventReply.SerializeToString,
+            ),
+            'DeregisterEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterEngine,
+                    request_deserializer=kvstore__pb2.EngineDeregistration.FromString,
+                    response_serializer=kvstore__pb2.EngineDeregistered.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -588,6 +604,33 @@ class Conductor:
             '/kvstore.v1.Conductor/ReportRequest',
             kvstore__pb2.RequestEvent.SerializeToString,
             kvstore__pb2.RequestEventReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Conductor/DeregisterEngine',
+            kvstore__pb2.EngineDeregistration.SerializeToString,
+            kvstore__pb2.EngineDeregistered.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,9 @@
 One Conductor per namespace (a model's engines share one), created on first
 use with the master's scheduling settings. A Decision that fetches a prefix
 starts a real copy of those blocks to the prefill engine's node (see
-Replicator). A rejection becomes RESOURCE_EXHAUSTED with "reason: detail".
+Replicator). A rejection becomes RESOURCE_EXHAUSTED with a "reason: detail"
+message for people and, for programs, a ScheduleReply carrying ``reason`` and
+``detail`` in the trailing metadata ``REJECTION_METADATA`` (the SDK reads it).
 Thread-safety: ``_lock`` guards the namespace -> Conductor map; each
 Conductor guards itself.
 """
@@ -18,12 +20,14 @@ from kvstore.master.errors import InvalidRequest
 from kvstore.master.index import PrefixIndex
 from kvstore.master.replicator import Replicator
 from kvstore.master.service import _rpc
+from kvstore.scheduler.clock import Clock
 from kvstore.scheduler.conductor import Conductor, Decision, Rejected
 from kvstore.scheduler.cost_model import CostModel
-from kvstore_client.errors import Overloaded
+from kvstore_client.errors import ConfigError, Overloaded
 from kvstore_client.keys import check_namespace
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.scheduling import REJECTION_METADATA
 
 _Stage = pb.RequestEvent.Stage
 
@@ -37,18 +41,24 @@ class SchedulingOptions:
     ttft_slo_s: float = float("inf")
     tbt_slo_s: float = float("inf")
     balancing_threshold: int = 0
+    request_ttl_s: float = 3600.0   # a request with no report this long is forgotten (lost engine or client)
+
+    def __post_init__(self) -> None:
+        if not self.request_ttl_s > 0:
+            raise ConfigError(f"request_ttl_s must be positive, got {self.request_ttl_s}")
 
 
 class ConductorServicer(pb_grpc.ConductorServicer):
     """Adapts the Conductor RPCs to per-namespace Conductor objects."""
 
     def __init__(self, index: PrefixIndex, replicator: Replicator, options: SchedulingOptions,
-                 counter, cost: CostModel | None = None):
+                 counter, cost: CostModel | None = None, clock: Clock | None = None):
         self._index = index
         self._replicator = replicator
         self._options = options
         self._cost = cost or CostModel()
         self._count = counter  # the master's RPC counter, shared with the metrics
+        self._clock = clock    # None: the real clock; tests inject a SimClock (request TTLs)
         self._conductors: dict[str, Conductor] = {}
         self._lock = threading.Lock()
 
@@ -60,7 +70,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                 o = self._options
                 conductor = self._conductors[namespace] = Conductor(
                     self._index, self._cost, policy=o.policy, admission=o.admission, ttft_slo=o.ttft_slo_s,
-                    tbt_slo=o.tbt_slo_s, namespace=namespace, balancing_threshold=o.balancing_threshold)
+                    tbt_slo=o.tbt_slo_s, namespace=namespace, balancing_threshold=o.balancing_threshold,
+                    request_ttl=o.request_ttl_s, clock=self._clock)
             return conductor
 
     @_rpc
@@ -77,12 +88,18 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         return pb.EngineRegistered()
 
     @_rpc
+    def DeregisterEngine(self, request, context):
+        if not request.engine_id:
+            raise InvalidRequest("deregistering needs an engine_id")
+        ended = self.conductor(request.namespace).deregister(request.engine_id)
+        return pb.EngineDeregistered(known=ended is not None, ended_requests=ended or 0)
+
+    @_rpc
     def ReportEngineLoad(self, request, context):
-        conductor = self.conductor(request.namespace)
-        if request.running_batch or request.context_tokens:
-            conductor.report_decode_load(request.engine_id, request.running_batch, request.context_tokens)
-        else:
-            conductor.report_prefill_load(request.engine_id, request.queue_length, request.busy_s)
+        """Read by the engine's registered role: an idle decode engine's zeros are a decode report."""
+        self.conductor(request.namespace).report_load(
+            request.engine_id, queue_len=request.queue_length, busy_s=request.busy_s,
+            batch=request.running_batch, context_tokens=request.context_tokens)
         return pb.EngineRegistered()
 
     @_rpc
@@ -91,7 +108,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         outcome = conductor.schedule(list(request.digests), request.input_length, request.output_length,
                                      request_id=request.request_id or uuid.uuid4().hex)
         if isinstance(outcome, Rejected):
-            raise Overloaded(f"{outcome.reason.value}: {outcome.detail}", outcome.reason.value)
+            context.set_trailing_metadata([(REJECTION_METADATA, _rejection_reply(outcome).SerializeToString())])
+            raise Overloaded(outcome.message, outcome.reason.value)
         if outcome.fetch_from and outcome.fetch_blocks:
             self._replicator.copy(request.namespace, outcome.fetch_from, outcome.prefill_node,
                                   list(outcome.fetch_blocks), outcome.local_blocks)
@@ -106,7 +124,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         elif request.stage == _Stage.PREFILL_FINISHED:
             outcome = conductor.prefill_finished(request_id)
             if isinstance(outcome, Rejected):
-                return pb.RequestEventReply(rejected=True, reason=f"{outcome.reason.value}: {outcome.detail}")
+                return pb.RequestEventReply(rejected=True, reason=outcome.reason.value, detail=outcome.detail)
             return pb.RequestEventReply(decode_engine=outcome.decode)
         elif request.stage == _Stage.DECODE_FINISHED:
             conductor.decode_finished(request_id)
@@ -115,6 +133,11 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         else:
             raise InvalidRequest("unknown request stage")
         return pb.RequestEventReply()
+
+
+def _rejection_reply(r: Rejected) -> pb.ScheduleReply:
+    return pb.ScheduleReply(request_id=str(r.request_id), reason=r.reason.value, detail=r.detail,
+                            estimated_ttft_s=r.est_ttft_s)
 
 
 def _schedule_reply(d: Decision) -> pb.ScheduleReply:

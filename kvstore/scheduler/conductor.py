@@ -12,6 +12,12 @@ The engines then report the request's lifecycle: ``prefill_started``,
 ``prefill_finished`` (which places it on decode, or rejects it there under
 admission ``none``), ``decode_finished``.
 
+Engines come and go: ``report_load`` reads a report by the role the engine
+registered with (an idle decode engine reports zeros), and ``deregister``
+forgets an engine and ends the requests in flight on it. A request with no
+report for ``request_ttl`` seconds (a lost engine or client) expires, as if
+cancelled; expiry runs lazily, at the next call, on the conductor's clock.
+
 The conductor decides; it moves no bytes. A Decision that fetches lists the
 blocks to replicate to the chosen instance's node (hotspot migration); the
 caller (the master's gRPC adapter live, the simulated nodes in replay) copies
@@ -29,6 +35,7 @@ are held by callers: Conductor._lock is never taken inside PrefixIndex._lock.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import threading
@@ -43,6 +50,7 @@ from kvstore.scheduler.clock import Clock, MonotonicClock
 from kvstore.scheduler.cost_model import CostModel
 from kvstore.scheduler.policies import Placement, Prefix, decode_fit, make_prefill_policy, select_decode
 from kvstore.scheduler.registry import Registry
+from kvstore_client.errors import ConfigError
 from kvstore_client.keys import digest_of
 
 INF = math.inf
@@ -90,6 +98,11 @@ class Rejected:
     est_ttft_s: float = INF
     detail: str = ""
 
+    @property
+    def message(self) -> str:
+        """Human-readable: "reason: detail"."""
+        return f"{self.reason.value}: {self.detail}" if self.detail else self.reason.value
+
 
 @dataclass(frozen=True)
 class DecodeAssignment:
@@ -105,6 +118,7 @@ class _Request:
     tokens: int                  # context tokens in decode: input + output
     paired: str | None = None    # decode instance chosen at arrival
     decode: str | None = None    # decode instance running it
+    deadline: float = INF        # expires then unless reported again (request_ttl after the last report)
 
 
 class Conductor:
@@ -113,7 +127,9 @@ class Conductor:
     def __init__(self, index: PrefixIndex, cost: CostModel | None = None, *, policy: str = "kvcache_centric",
                  admission: str = "off", ttft_slo: float = INF, tbt_slo: float = INF,
                  namespace: str = "default", clock: Clock | None = None, seed: int = 0,
-                 balancing_threshold: int = 0) -> None:
+                 balancing_threshold: int = 0, request_ttl: float = INF) -> None:
+        if not request_ttl > 0:
+            raise ConfigError(f"request_ttl must be positive, got {request_ttl}")
         self.index = index
         self.cost = cost or CostModel()
         self.policy = make_prefill_policy(policy, seed=seed, balancing_threshold=balancing_threshold)
@@ -124,7 +140,11 @@ class Conductor:
         self.registry = Registry()
         self.predictor = DecodeLoadPredictor(self.tbt_slo)
         self._token_limit = self.cost.decode_token_limit(self.tbt_slo)
+        self.request_ttl = float(request_ttl)
+        self.expired = 0                                  # requests forgotten by the TTL, ever
         self._requests: dict[object, _Request] = {}
+        self._deadlines: list = []                        # heap of (deadline, seq, request id); stale entries skipped
+        self._seq = itertools.count()
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -137,9 +157,44 @@ class Conductor:
         with self._lock:
             self.registry.add_decode(instance_id, node_id, self._token_limit)
 
-    def unregister(self, instance_id: str) -> bool:
+    def deregister(self, instance_id: str, now: float | None = None) -> int | None:
+        """Forget an engine: no new work goes to it, and the requests in flight on it end (a
+        prefill engine's queued or running prefills, a decode engine's decodes; requests only
+        paired with a decode engine are paired again at decode). Returns how many ended, None
+        if the engine was not registered."""
+        now = self._now(now)
         with self._lock:
-            return self.registry.remove(instance_id)
+            self._expire(now)
+            role = self.registry.role(instance_id)
+            if role is None:
+                return None
+            if role == "prefill":   # not yet in decode: its prefill is lost
+                ended = [rid for rid, r in self._requests.items() if r.prefill == instance_id and r.decode is None]
+            else:
+                ended = [rid for rid, r in self._requests.items() if r.decode == instance_id]
+            for rid in ended:
+                self._end(rid)
+            for req in self._requests.values():
+                if req.paired == instance_id:
+                    req.paired = None   # the reservation leaves with the instance
+            self.registry.remove(instance_id)
+            return len(ended)
+
+    def report_load(self, instance_id: str, *, queue_len: int = 0, busy_s: float = 0.0, batch: int = 0,
+                    context_tokens: int = 0, now: float | None = None) -> str:
+        """An engine's own view of its load, read by the role it registered with (the other
+        role's fields are ignored); zeros mean idle. Returns the role; InvalidRequest if unknown."""
+        now = self._now(now)
+        with self._lock:
+            self._expire(now)
+            role = self.registry.role(instance_id)
+            if role == "prefill":
+                self.registry.report_prefill_load(instance_id, queue_len, busy_s, now)
+            elif role == "decode":
+                self.registry.report_decode_load(instance_id, batch, context_tokens)
+            else:
+                raise InvalidRequest(f"unknown engine {instance_id!r}: register it first")
+            return role
 
     def report_prefill_load(self, instance_id: str, queue_len: int, busy_s: float, now: float | None = None) -> None:
         now = self._now(now)
@@ -163,6 +218,7 @@ class Conductor:
         prefix = Prefix.from_match(per_node)
         tokens = int(input_len) + int(output_len)
         with self._lock:
+            self._expire(now)
             if request_id is None:
                 request_id = next(self._ids)
             elif request_id in self._requests:
@@ -178,6 +234,7 @@ class Conductor:
             inst = placement.instance
             self.registry.assign_prefill(inst, request_id, placement.service_s)
             req = self._requests[request_id] = _Request(inst.instance_id, tokens)
+            self._touch(request_id, req, now)
             if pick.instance is not None:
                 self.registry.reserve_decode(pick.instance, request_id, tokens)
                 req.paired = pick.instance.instance_id
@@ -223,14 +280,17 @@ class Conductor:
     def prefill_started(self, request_id, now: float | None = None) -> None:
         now = self._now(now)
         with self._lock:
+            self._expire(now)
             req = self._get(request_id)
             self.registry.start_prefill(self.registry.get_prefill(req.prefill), request_id, now)
+            self._touch(request_id, req, now)
 
     def prefill_finished(self, request_id, now: float | None = None) -> DecodeAssignment | Rejected:
         """Prefill done: the request moves to its paired decode instance (picked again if that one
         left), or is rejected there when that instance is full (admission ``none`` only)."""
         now = self._now(now)
         with self._lock:
+            self._expire(now)
             req = self._get(request_id)
             inst = self.registry.prefill.get(req.prefill)
             if inst is not None:
@@ -253,12 +313,14 @@ class Conductor:
                 return reject
             self.registry.assign_decode(pick.instance, request_id, req.tokens)
             req.decode = pick.instance.instance_id
+            self._touch(request_id, req, now)
             self.predictor.decoding(request_id, req.tokens, now)
             return DecodeAssignment(request_id, req.decode, pick.tbt_s, pick.fits)
 
     def decode_finished(self, request_id, now: float | None = None) -> None:
         now = self._now(now)
         with self._lock:
+            self._expire(now)
             req = self._requests.pop(request_id, None)
             if req is None:
                 return
@@ -266,26 +328,61 @@ class Conductor:
                 self.registry.finish_decode(self.registry.decode[req.decode], request_id)
             self.predictor.finished(request_id, now)
 
-    def cancel(self, request_id) -> bool:
+    def cancel(self, request_id, now: float | None = None) -> bool:
         """Forget a request wherever it is (client gone, engine failed). False if unknown."""
+        now = self._now(now)
         with self._lock:
-            req = self._requests.pop(request_id, None)
-            if req is None:
-                return False
-            if req.prefill in self.registry.prefill:
-                self.registry.finish_prefill(self.registry.prefill[req.prefill], request_id)
-            if req.paired in self.registry.decode:
-                self.registry.release_decode(self.registry.decode[req.paired], request_id)
-            if req.decode is not None and req.decode in self.registry.decode:
-                self.registry.finish_decode(self.registry.decode[req.decode], request_id)
-            self.predictor.finished(request_id)
-            return True
+            self._expire(now)
+            return self._end(request_id)
+
+    def expire(self, now: float | None = None) -> int:
+        """Forget the requests past their TTL now; returns how many (other calls do this too)."""
+        now = self._now(now)
+        with self._lock:
+            return self._expire(now)
+
+    def in_flight(self) -> int:
+        """Requests scheduled and not yet finished, cancelled, rejected or expired."""
+        with self._lock:
+            return len(self._requests)
+
+    def _end(self, request_id) -> bool:
+        """Drop a request from every instance's books (cancel, expiry, deregistration)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.prefill in self.registry.prefill:
+            self.registry.finish_prefill(self.registry.prefill[req.prefill], request_id)
+        if req.paired in self.registry.decode:
+            self.registry.release_decode(self.registry.decode[req.paired], request_id)
+        if req.decode is not None and req.decode in self.registry.decode:
+            self.registry.finish_decode(self.registry.decode[req.decode], request_id)
+        self.predictor.finished(request_id)
+        return True
+
+    def _touch(self, request_id, req: _Request, now: float) -> None:
+        """A report came: the request lives ``request_ttl`` more seconds."""
+        if self.request_ttl != INF:
+            req.deadline = now + self.request_ttl
+            heapq.heappush(self._deadlines, (req.deadline, next(self._seq), request_id))
+
+    def _expire(self, now: float) -> int:
+        n = 0
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, _, request_id = heapq.heappop(heap)
+            req = self._requests.get(request_id)
+            if req is not None and req.deadline == deadline and self._end(request_id):  # else stale: reported since
+                n += 1
+        self.expired += n
+        return n
 
     # -- views ------------------------------------------------------------------------------
     def loads(self, now: float | None = None) -> dict:
         """Current load: per prefill instance (assigned, queue seconds), per decode (tokens, limit)."""
         now = self._now(now)
         with self._lock:
+            self._expire(now)
             return {
                 "prefill": {i.instance_id: {"assigned": i.assigned(), "queue_s": i.queue_time(now)}
                             for i in self.registry.prefill_instances()},

@@ -12,7 +12,9 @@ The conductor keeps these numbers from the lifecycle it sees (assign, start,
 finish). An engine may also report its own view (``report_prefill_load``,
 ``report_decode_load``: queue length and busy seconds, running batch and
 context tokens); a reported load counts when it is larger than the
-bookkept one, and it ages out with the time passed since the report.
+bookkept one, and a prefill backlog ages out with the time passed since the
+report. A report replaces the previous one, so an idle report (zeros) clears
+a high one.
 
 Not thread-safe on its own: the :class:`~kvstore.scheduler.conductor.Conductor`
 calls it under its lock.
@@ -102,6 +104,14 @@ class Registry:
         inst = self.decode[instance_id] = DecodeInstance(instance_id, node_id, token_limit)
         self._decode_list = list(self.decode.values())
         return inst
+
+    def role(self, instance_id: str) -> str | None:
+        """The role the instance registered with, "prefill" or "decode"; None if unknown."""
+        if instance_id in self.prefill:
+            return "prefill"
+        if instance_id in self.decode:
+            return "decode"
+        return None
 
     def remove(self, instance_id: str) -> bool:
         """Forget an instance (its assigned requests are dropped with it). False if unknown."""
