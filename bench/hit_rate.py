@@ -9,8 +9,12 @@ Requests are replayed in timestamp order; for each one the store is asked how
 many leading blocks it holds (match_prefix), those blocks are read (get_into,
 which is what an engine loading its prefix does, and what the policies see
 as accesses), then the request's blocks that are missing are stored, each
-with its depth in the chain. The DRAM tier holds exactly ``--capacity``
-blocks, and evicts inline when full so the run is deterministic.
+with its depth in the chain. Each request is served inside
+``BlockStore.request()``: the blocks it reads or writes are not eviction
+candidates until it ends (Mooncake, 3.2.1), so a request never evicts its
+own blocks; a request longer than the cache stores what fits. The DRAM tier
+holds exactly ``--capacity`` blocks, and evicts inline when full so the run
+is deterministic.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 import time
 
+from kvstore_client.errors import CapacityError
 from kvstore.node.config import StoreConfig
 from kvstore.node.store import BlockStore
 from kvstore.policy import POLICIES
@@ -50,11 +55,15 @@ def replay(requests: list[dict], policy: str, capacity: int | None, block_bytes:
         for request in requests:
             keys = [("trace", h.to_bytes(16, "little")) for h in request["hash_ids"]]
             matched = store.match_prefix(keys)
-            for key in keys[:matched]:
-                store.get_into(key, buf)
-            for depth in range(matched, len(keys)):
-                if not store.exists(keys[depth]):
-                    store.put(keys[depth], value, depth=depth)
+            with store.request():
+                for key in keys[:matched]:
+                    store.get_into(key, buf)
+                try:
+                    for depth in range(matched, len(keys)):
+                        if not store.exists(keys[depth]):
+                            store.put(keys[depth], value, depth=depth)
+                except CapacityError:  # the cache holds only this request's blocks
+                    pass
             hit += matched
             total += len(keys)
         stats = store.stats()

@@ -10,6 +10,10 @@ Thread-safe. Locks, always taken in this order:
   2. ``BlockStore._lock``    - the block table, both policies, the counters;
   3. each tier's own lock    - its index and allocator (never held across I/O).
 Bytes are copied outside ``_lock``, protected by DRAM read leases.
+
+Inside ``with store.request():`` the blocks a thread reads or writes are
+pinned until the request ends, so that serving a request (a batch put, a
+prefix load) never evicts that request's own blocks (Mooncake, 3.2.1).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class BlockStore:
     def __init__(self, config: StoreConfig | None = None, **overrides):
         self.config = config = config or StoreConfig(**overrides)
         self._lock = threading.Lock()
+        self._local = threading.local()  # .held: the ongoing request's blocks on this thread, or None
         self._table: ShardedDict = ShardedDict()  # BlockKey -> BlockMeta
         self._dram = DramTier(config.dram_capacity, granule=config.granule, prefault=config.prefault,
                               arena_name=config.arena_name, directory_slots=config.directory_slots)
@@ -154,6 +159,7 @@ class BlockStore:
                 self._drop_ssd_record(key, old)
             self._dram.commit(key, extent, checksum)
             self._table[key] = meta
+            self._hold(key, meta, new=old is None)
             if not meta.pins:
                 self._policies[DRAM].add(key, depth=depth, hits=meta.hits)
             self._emit("stored", key, DRAM)
@@ -241,6 +247,7 @@ class BlockStore:
                 return None, None
             meta.hits += 1
             self._policies[meta.tier].touch(key)
+            self._hold(key, meta)
             if meta.tier == DRAM:
                 self._counters[DRAM].hits += 1
                 return meta, self._dram.acquire(key)
@@ -329,6 +336,7 @@ class BlockStore:
                     meta.hits += 1
                     self._policies[meta.tier].touch(key)
                     self._counters[meta.tier].hits += 1
+                    self._hold(key, meta)
 
     # -- lookups without reading ---------------------------------------------------------
     def exists(self, key: BlockKey) -> bool:
@@ -402,13 +410,56 @@ class BlockStore:
         """Undo one pin; False if the block is absent or not pinned."""
         key = self._check_key(key)
         with self._lock:
-            meta = self._table.get(key)
-            if meta is None or meta.pins == 0:
-                return False
-            meta.pins -= 1
-            if meta.pins == 0:
-                self._policies[meta.tier].add(key, depth=meta.depth, hits=meta.hits)
-            return True
+            return self._unpin(key)
+
+    def _unpin(self, key: BlockKey) -> bool:
+        """Under _lock: undo one pin; a block left unpinned is a candidate again."""
+        meta = self._table.get(key)
+        if meta is None or meta.pins == 0:
+            return False
+        meta.pins -= 1
+        if meta.pins == 0:
+            self._policies[meta.tier].add(key, depth=meta.depth, hits=meta.hits)
+        return True
+
+    # -- requests -------------------------------------------------------------------------
+    @contextmanager
+    def request(self) -> Iterator[None]:
+        """Serve one request (a batch put, a prefix load) on this thread: every block it reads
+        (get, get_into, read, lease, touch) or writes (put, commit) inside the ``with`` block
+        is pinned until the block ends, so the request cannot evict its own blocks to make
+        room for itself; only when nothing else is left does a put raise CapacityError.
+        At the end the blocks become candidates again in the order the request last used
+        them, with their hits, as if just accessed. Nested requests join the outer one."""
+        if getattr(self._local, "held", None) is not None:
+            yield
+            return
+        held = self._local.held = {}  # key -> None, in order of last use
+        try:
+            yield
+        finally:
+            self._local.held = None
+            with self._lock:
+                for key in held:
+                    self._unpin(key)
+
+    def _hold(self, key: BlockKey, meta: BlockMeta, new: bool = False) -> None:
+        """Under _lock: pin a block the ongoing request on this thread uses, once per request.
+        ``new``: ``meta`` was just committed and replaced nothing (a replacement takes over
+        the old block's pins, this request's included)."""
+        held = getattr(self._local, "held", None)
+        if held is None:
+            return
+        if key in held:
+            del held[key]
+            held[key] = None  # moved to the end: the order of last use
+            if not new:
+                return
+        else:
+            held[key] = None
+        meta.pins += 1
+        if meta.pins == 1:
+            self._policies[meta.tier].discard(key)
 
     def _forget(self, key: BlockKey, meta: BlockMeta) -> None:
         """Under _lock: remove a block from the table, its policy and its tier."""

@@ -5,7 +5,10 @@ candidates (``add``), when one is used (``touch``), when one stops being a
 candidate (``discard``: removed, pinned, moved to another tier), and asks it
 for the next victim (``pop_victim``). Pinned blocks are simply not candidates;
 a popped block that turns out to be under a read lease is re-added by the
-store with its statistics (``hits``) intact.
+store with its statistics (``hits``) intact. Nor are the blocks of a request
+being served (Mooncake, 3.2.1): ``BlockStore.request()`` pins what a request
+reads or writes until it ends, so no policy can pick a request's own fresh
+blocks (LFU's lowest count) to make room for that same request.
 
 Implementations are not thread-safe; the store calls them under its lock.
 Every operation is O(1) or O(log n) in the number of candidates.
