@@ -19,13 +19,17 @@ import grpc
 
 from kvstore_client.buffers import byte_view
 from kvstore_client.connect import check_data_path, open_connection
+from kvstore_client.credentials import Credentials
 from kvstore_client.errors import (
     ChecksumMismatch,
     InvalidValue,
     KVStoreError,
     Overloaded,
+    PermissionDenied,
     PutFailed,
+    QuotaExceeded,
     ServiceUnavailable,
+    Unauthenticated,
 )
 from kvstore_client.hashing import BlockHasher
 from kvstore_client.hostid import machine_id
@@ -43,6 +47,8 @@ log = logging.getLogger(__name__)
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", 1000)]
+_REFUSED = {grpc.StatusCode.UNAUTHENTICATED: Unauthenticated, grpc.StatusCode.PERMISSION_DENIED: PermissionDenied}
+QUOTA_MARK = "quota exceeded"  # in the details of the master's QuotaExceeded (RESOURCE_EXHAUSTED)
 
 
 @dataclass
@@ -68,19 +74,26 @@ class Client:
     (``kvstore_client.placements``). ``verify``: check block checksums on
     every read (cheap: XXH3-64). ``data_path``: force "tcp", "unix" or "shm"
     (default None: shared memory on this host when ``prefer_shm``, else the
-    Unix socket, TCP to other hosts).
+    Unix socket, TCP to other hosts). ``token``: what the pool's access file
+    knows this caller by (default: the KVSTORE_TOKEN environment variable;
+    none for a pool without one). ``tls_ca``: the CA of a pool that speaks
+    TLS (default: KVSTORE_TLS_CA); ``tls_cert`` and ``tls_key``: this
+    client's certificate, for a pool that wants mutual TLS.
     """
 
     def __init__(self, master: str, *, prefer_shm: bool = True, location_ttl: float = 2.0,
                  placement_ttl: float = 1.0, placement_bytes: int = 64 << 20, replicas: int = 0,
-                 verify: bool = True, timeout: float = 10.0, data_path: str | None = None):
+                 verify: bool = True, timeout: float = 10.0, data_path: str | None = None,
+                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None):
         self.master = master
+        self.credentials = Credentials.resolve(token, tls_ca, tls_cert, tls_key)
         self.prefer_shm = prefer_shm
         self.replicas = replicas
         self.verify = verify
         self.data_path = check_data_path(data_path)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(master, options=GRPC_OPTIONS)
+        self._channel = self.credentials.channel(master, GRPC_OPTIONS)
         self._stub = pb_grpc.MasterStub(self._channel)
         self._locations = LocationCache(location_ttl)
         self._nodes = KnownNodes()
@@ -366,6 +379,10 @@ class Client:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidValue(exc.details()) from None
+            if exc.code() in _REFUSED:
+                raise _REFUSED[exc.code()](exc.details()) from None
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and QUOTA_MARK in (exc.details() or ""):
+                raise QuotaExceeded(exc.details()) from None
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # "Method: reason: detail"
                 parts = (exc.details() or "").split(": ", 2)
                 raise Overloaded(exc.details(), parts[1] if len(parts) == 3 else "") from None
@@ -409,7 +426,8 @@ class Client:
         conns = self._local.__dict__.setdefault("conns", {})
         conn = conns.get(node.node_id)
         if conn is None:
-            conn = open_connection(node, prefer_shm=self.prefer_shm, verify=self.verify, data_path=self.data_path)
+            conn = open_connection(node, prefer_shm=self.prefer_shm, verify=self.verify, data_path=self.data_path,
+                                   credentials=self.credentials)
             conns[node.node_id] = conn
             with self._lock:
                 self._all_connections.append(conn)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
+from kvstore_client.credentials import NO_CREDENTIALS
 from kvstore_client.hostid import machine_id
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,8 @@ def check_data_path(data_path: str | None) -> str | None:
     return data_path
 
 
-def open_connection(node, *, prefer_shm: bool = True, verify: bool = True, data_path: str | None = None):
+def open_connection(node, *, prefer_shm: bool = True, verify: bool = True, data_path: str | None = None,
+                    credentials=NO_CREDENTIALS):
     """A data-plane connection to ``node`` (a NodeInfo).
 
     Same machine and the node's arena and Unix socket visible here: shared
@@ -28,19 +30,20 @@ def open_connection(node, *, prefer_shm: bool = True, verify: bool = True, data_
     otherwise: the Unix socket. Anywhere else: TCP. ``data_path`` "tcp" always
     uses TCP, "unix" the Unix socket when the node is on this host (else TCP),
     "shm" the default choice; None: the default choice, with ``prefer_shm``.
+    ``credentials``: the caller's token and TLS settings.
     """
     from kvstore_client import transport
 
     if check_data_path(data_path) == "tcp":
-        return transport.TcpConnection(node.data_address, verify=verify)
+        return transport.TcpConnection(node.data_address, verify=verify, credentials=credentials)
     if data_path is not None:
         prefer_shm = data_path == "shm"
     same_host = node.machine_id == machine_id() and node.unix_socket and os.path.exists(node.unix_socket)
     if same_host and prefer_shm and node.shm_arena:
         try:
-            return transport.ShmConnection(node.unix_socket, node.shm_arena, verify=verify)
+            return transport.ShmConnection(node.unix_socket, node.shm_arena, verify=verify, credentials=credentials)
         except OSError as exc:  # e.g. another container's /dev/shm: fall back to a socket
             log.info("shared memory with %s unavailable (%s); using its socket", node.node_id, exc)
     if same_host:
-        return transport.UnixConnection(node.unix_socket, verify=verify)
-    return transport.TcpConnection(node.data_address, verify=verify)
+        return transport.UnixConnection(node.unix_socket, verify=verify, credentials=credentials)
+    return transport.TcpConnection(node.data_address, verify=verify, credentials=credentials)

@@ -44,6 +44,21 @@ class ReservationError(KVStoreError):
     """A two-phase put was used out of order: committed twice, written after revoke, etc."""
 
 
+class QuotaExceeded(CapacityError):
+    """The tenant already holds its quota of bytes across the pool (a CapacityError: the same
+    remedy, remove or wait for eviction, applies)."""
+
+
+class Unauthenticated(KVStoreError):
+    """The service wants a valid token and got none or a wrong one (``Client(token=...)`` or
+    the KVSTORE_TOKEN environment variable)."""
+
+
+class PermissionDenied(KVStoreError):
+    """The token is valid but does not allow this call: another tenant's namespace, or a
+    call reserved to nodes or admins."""
+
+
 class ChecksumMismatch(KVStoreError):
     """Bytes read back do not match the checksum stored with them."""
 

@@ -47,6 +47,7 @@ import xxhash
 from kvstore_client.arenamap import map_arena, unmap_arena
 from kvstore_client.buffers import byte_view
 from kvstore_client.checked_copy import copy_verified
+from kvstore_client.credentials import NO_CREDENTIALS
 from kvstore_client.directory import ONE_SIDED_READS, DirectoryReader, OneSidedReads
 from kvstore_client.errors import (
     BufferTooSmall,
@@ -120,10 +121,10 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
     """
 
     def __init__(self, target: str, arena_name: str | None = None, *, verify: bool = True,
-                 timeout: float | None = None, one_sided: bool = True):
+                 timeout: float | None = None, one_sided: bool = True, credentials=NO_CREDENTIALS):
         self.target = target
         self._grants: list = []  # arena space set aside for our next puts (ArenaWrites)
-        super().__init__(_connect(target, timeout), verify=verify)
+        super().__init__(_connect(target, timeout), verify=verify, credentials=credentials)  # authenticates before mapping
         ttl = self._info.get("lease_ttl")
         self.lease_ttl: float | None = None if ttl is None else float(ttl)  # the node's, from INFO
         self._direct: OneSidedReads | None = None  # reads through the node's block directory

@@ -11,6 +11,10 @@ A connection is one ordered byte stream and is NOT thread-safe: open one per
 thread (they are cheap: a socket and one INFO round trip). Frames are in
 ``proto/dataplane.md``.
 
+With ``credentials`` holding a token a connection first authenticates (the
+challenge-response of ``kvstore_client.auth``; a node that checks tokens
+answers nothing before that); with a TLS CA, TCP connections are TLS.
+
 Every call is a batch. Reads raise after the whole reply is consumed, so a
 per-key failure (BufferTooSmall, UnknownNamespace, ChecksumMismatch...) leaves
 the connection usable; misses are None. ``read_many`` returns those per-key
@@ -35,11 +39,14 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import struct
 from collections import deque
 
 import xxhash
 
+from kvstore_client.auth import DataKey, Handshake
+from kvstore_client.credentials import NO_CREDENTIALS, Credentials
 from kvstore_client.buffers import byte_view, newly_allocated, receivable_bytes
 from kvstore_client.errors import (
     BufferTooSmall,
@@ -82,11 +89,12 @@ WINDOW = 2  # frames in flight: the next is sent while the node answers the prev
 KEYS_PER_FRAME = 256  # keys-only requests stay small (< 64 KiB), so pipelining cannot deadlock
 OVERLAP_HASH_BYTES = 512 << 10  # PUT frames this large send their checksums after the payloads (measured)
 UNIX_SOCKET_BUFFER = 4 << 20
+_MAX_AUTH_REPLY = 4096
 UNACKED_MAX = 8  # frames of puts sent without waiting that may stay unanswered (replies are a few bytes)
 
 
-def _connect(target: str, timeout: float | None) -> socket.socket:
-    """A connected socket: a Unix socket for a path, TCP for "host:port"."""
+def _connect(target: str, timeout: float | None, tls: ssl.SSLContext | None = None) -> socket.socket:
+    """A connected socket: a Unix socket for a path, TCP for "host:port" (TLS with ``tls``)."""
     try:
         if "/" in target or ":" not in target:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -96,6 +104,16 @@ def _connect(target: str, timeout: float | None) -> socket.socket:
             host, port = target.rsplit(":", 1)
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                from kvstore_client.tls import wrap_client
+
+                try:
+                    return wrap_client(sock, tls, host.strip("[]"))
+                except BaseException:
+                    sock.close()
+                    raise
+    except ssl.SSLError as exc:
+        raise TransportError(f"TLS with the data plane at {target} failed: {exc.reason or exc}") from exc
     except OSError as exc:
         raise TransportError(f"cannot connect to data plane at {target}: {exc}") from exc
     if sock.family == socket.AF_UNIX:  # small defaults; TCP autotunes better than any fixed size
@@ -161,7 +179,7 @@ class _StreamGuard:
 class DataPlaneConnection:
     """Operations shared by every transport, over one stream socket. One per thread."""
 
-    def __init__(self, sock: socket.socket, *, verify: bool = True):
+    def __init__(self, sock: socket.socket, *, verify: bool = True, credentials: Credentials = NO_CREDENTIALS):
         self.verify = verify  # check each block's XXH3-64 against the node's checksum
         self._sock = sock
         self._reader = FrameReader(sock, spin=REPLY_SPIN)
@@ -173,7 +191,10 @@ class DataPlaneConnection:
         self._unacked: deque = deque()  # (request id, keys, read its reply -> statuses) of puts not waited for
         self._collecting = False  # reading those replies: _reply must not start on the next one
         self.put_failures: list[tuple[BlockKey, KVStoreError]] = []
+        self.token_name: str | None = None  # the token the node knows this connection by
         try:
+            if credentials.data_key is not None:
+                self._authenticate(credentials.data_key)
             self._info = self.info(refresh=True)
         except BaseException:
             self.close()
@@ -181,6 +202,21 @@ class DataPlaneConnection:
         self.max_frame_bytes = int(self._info["max_frame_bytes"])
         self.max_block_bytes = int(self._info["max_block_bytes"])
         self.max_items = int(self._info["max_items"])
+
+    def _authenticate(self, key: DataKey) -> None:
+        """The data-plane challenge-response (kvstore_client.auth); Unauthenticated when the
+        node refuses the token or cannot prove it holds it."""
+        handshake = Handshake(key)
+        with self._stream():
+            proof = handshake.challenge(self._auth_reply(self._send(Op.AUTH, 0, handshake.hello())))
+            if proof is not None:
+                self.token_name = handshake.accepted(self._auth_reply(self._send(Op.AUTH, 0, proof)))
+
+    def _auth_reply(self, request_id: int) -> bytes:
+        body_len = self._reply(Op.AUTH, request_id, 0)
+        if body_len > _MAX_AUTH_REPLY:
+            raise ProtocolError(f"AUTH reply of {body_len} bytes: not a kvstore node")
+        return bytes(self._reader.read(body_len))
 
     # -- framing ----------------------------------------------------------------------------
     def _stream(self) -> "_StreamGuard":
@@ -671,17 +707,21 @@ class DataPlaneConnection:
 class TcpConnection(DataPlaneConnection):
     """Frames over TCP to ``address`` ("host:port"). One per thread."""
 
-    def __init__(self, address: str, *, verify: bool = True, timeout: float | None = None):
+    def __init__(self, address: str, *, verify: bool = True, timeout: float | None = None,
+                 credentials: Credentials = NO_CREDENTIALS):
         self.address = address
-        super().__init__(_connect(address, timeout), verify=verify)
+        super().__init__(_connect(address, timeout, credentials.client_tls()), verify=verify,
+                         credentials=credentials)
 
 
 class UnixConnection(DataPlaneConnection):
     """Frames over the node's Unix socket at ``path`` (same host). One per thread."""
 
-    def __init__(self, path: str, *, verify: bool = True, timeout: float | None = None):
+    def __init__(self, path: str, *, verify: bool = True, timeout: float | None = None,
+                 credentials: Credentials = NO_CREDENTIALS):
         self.path = path
-        super().__init__(_connect(path if "/" in path else "./" + path, timeout), verify=verify)
+        super().__init__(_connect(path if "/" in path else "./" + path, timeout), verify=verify,
+                         credentials=credentials)
 
 
 def __getattr__(name: str):

@@ -23,10 +23,13 @@ from kvstore_client.errors import (
     InvalidKey,
     InvalidValue,
     KVStoreError,
+    PermissionDenied,
     ProtocolError,
+    QuotaExceeded,
     RemoteError,
     ServiceUnavailable,
     TransportError,
+    Unauthenticated,
     UnknownNamespace,
 )
 from kvstore_client.keys import MAX_DIGEST_LEN, BlockKey, check_key
@@ -75,6 +78,7 @@ class Op(IntEnum):
     PULL = 12
     STORE = 13
     VERIFY = 14
+    AUTH = 15  # the first frames of a connection to a node with an access file (kvstore_client.auth)
 
 
 class Status(IntEnum):
@@ -94,6 +98,9 @@ class Status(IntEnum):
     SOURCE_UNAVAILABLE = 13  # PULL item: the source node could not be reached, or failed mid-transfer
     SAME_HOST_ONLY = 14  # frame: an op that holds node memory (RESERVE, COMMIT, STORE, LEASE) over TCP
     BUSY = 15  # frame: the node serves its maximum of connections; try again later
+    UNAUTHENTICATED = 16  # frame: no valid token (a request before AUTH, or a wrong proof)
+    PERMISSION_DENIED = 17  # item: another tenant's namespace; frame: an op the token may not use
+    QUOTA_EXCEEDED = 18  # item: the tenant holds its quota of bytes
 
 
 # Requests that carry keys: op -> the layout of their table entries (ns_len, dg_len first; the
@@ -103,7 +110,7 @@ KEYED_OPS: dict[int, struct.Struct] = {
     Op.GET: KEY_HEAD, Op.PUT: PUT_ENTRY, Op.EXISTS: KEY_HEAD, Op.REMOVE: KEY_HEAD, Op.LEASE: KEY_HEAD,
     Op.RESERVE: RESERVE_ENTRY, Op.TOUCH: KEY_HEAD, Op.PULL: PULL_ENTRY, Op.STORE: PUT_ENTRY, Op.VERIFY: KEY_HEAD,
 }
-KEYLESS_OPS = frozenset({Op.PING, Op.INFO, Op.RELEASE, Op.COMMIT})
+KEYLESS_OPS = frozenset({Op.PING, Op.INFO, Op.RELEASE, Op.COMMIT, Op.AUTH})
 
 
 _ERROR_CLASSES: dict[int, type[KVStoreError]] = {
@@ -115,12 +122,18 @@ _ERROR_CLASSES: dict[int, type[KVStoreError]] = {
     Status.INTERNAL: RemoteError,
     Status.SOURCE_UNAVAILABLE: ServiceUnavailable,
     Status.BUSY: ServiceUnavailable,
+    Status.UNAUTHENTICATED: Unauthenticated,
+    Status.PERMISSION_DENIED: PermissionDenied,
+    Status.QUOTA_EXCEEDED: QuotaExceeded,
 }
 _STATUS_OF = [  # most specific first (the order matters for subclasses)
     (InvalidKey, Status.INVALID_KEY),
     (InvalidValue, Status.INVALID_VALUE),
     (UnknownNamespace, Status.UNKNOWN_NAMESPACE),
+    (QuotaExceeded, Status.QUOTA_EXCEEDED),
     (CapacityError, Status.NO_CAPACITY),
+    (PermissionDenied, Status.PERMISSION_DENIED),
+    (Unauthenticated, Status.UNAUTHENTICATED),
     (ChecksumMismatch, Status.CHECKSUM_MISMATCH),
 ]
 

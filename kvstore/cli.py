@@ -6,6 +6,7 @@ import json
 
 import click
 
+from kvstore.security.service_flags import ServiceSecurity, client_security_options, service_security_options
 from kvstore.units import format_size, parse_size
 
 
@@ -241,15 +242,17 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
 @click.option("--replicas", type=int, default=1, show_default=True, help="Copies of each block (best effort).")
 @scheduling_options
 @kv_events_options
+@service_security_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def master(host, port, metrics_port, ttl, replicas, as_json, kv_events, kv_events_replay, kv_events_topic,
-           kv_events_hashes, **scheduling) -> None:
+           kv_events_hashes, auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual, **scheduling) -> None:
     """Run the master: membership, the global prefix index, placement and the conductor."""
     from kvstore.serving import service_process
 
     events = build_kv_events(kv_events, kv_events_replay, kv_events_topic, kv_events_hashes)
+    security = ServiceSecurity.from_flags(auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual)
     signals = service_process()
-    server = start_master(host, port, metrics_port, ttl, replicas, kv_events=events, **scheduling)
+    server = start_master(host, port, metrics_port, ttl, replicas, kv_events=events, security=security, **scheduling)
     announce(as_json, [f"kvstore master listening on {server.address}"] +
              ([f"metrics on http://{server.metrics_address}/metrics"] if server.metrics_address else []) +
              kv_events_lines(server),
@@ -259,15 +262,23 @@ def master(host, port, metrics_port, ttl, replicas, as_json, kv_events, kv_event
 
 def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcache_centric",
                  admission="prediction", ttft_slo=float("inf"), tbt_slo=float("inf"), kv_events=None,
-                 request_ttl=3600.0):
+                 request_ttl=3600.0, security=None):
     from kvstore.master.conductor_service import SchedulingOptions
     from kvstore.master.server import MasterServer
+
+    security = security or ServiceSecurity()
+    security.check_exposure(host, "master")
+    if kv_events is not None:
+        for endpoint in filter(None, (kv_events.endpoint, kv_events.replay_endpoint)):
+            if endpoint.startswith("tcp://"):
+                security.check_unguarded(endpoint[len("tcp://"):].rsplit(":", 1)[0], "KV events endpoint")
 
     scheduling = SchedulingOptions(policy=schedule_policy, admission=admission, ttft_slo_s=ttft_slo,
                                    tbt_slo_s=tbt_slo, request_ttl_s=request_ttl)
     return MasterServer(host=host, port=port, ttl_s=ttl, heartbeat_interval_s=min(1.0, ttl / 3),
                         replication_factor=replicas, scheduling=scheduling, kv_events=kv_events,
-                        metrics_port=None if metrics_port < 0 else metrics_port).start()
+                        metrics_port=None if metrics_port < 0 else metrics_port, access=security.access,
+                        tls=security.tls, dialing=security.dialing).start()
 
 
 @main.command()
@@ -278,26 +289,32 @@ def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcac
 @advertise_option
 @store_options
 @connection_options
+@service_security_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def node(master_address, host, port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json,
-         **limits) -> None:
+         auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual, **limits) -> None:
     """Run a storage node: DRAM and SSD tiers served to clients, reported to the master."""
     from kvstore.serving import service_process
 
+    security = ServiceSecurity.from_flags(auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual,
+                                          needs_token=True)
     signals = service_process()
     storage = start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise,
-                         limits)
+                         limits, security)
     announce(as_json, node_lines(storage), node_record(storage))
     signals.serve([storage.stop])
 
 
 def start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise=None,
-               limits=None):
+               limits=None, security=None):
     from kvstore.node.daemon import NodeOptions, StorageNode
 
+    security = security or ServiceSecurity()
+    security.check_exposure(host, "node")
     config = build_store_config(data_dir, dram, ssd, max_block, policy, limits)
     options = NodeOptions(master=master_address, host=host, port=port, data_dir=data_dir, advertise=advertise,
-                          metrics_port=None if metrics_port < 0 else metrics_port)
+                          metrics_port=None if metrics_port < 0 else metrics_port, access=security.access,
+                          tls=security.tls, credentials=security.dialing)
     return StorageNode(config, options).start()
 
 
@@ -334,18 +351,22 @@ def node_lines(storage) -> list[str]:
 @store_options
 @connection_options
 @kv_events_options
+@service_security_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def up(host, port, data_port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json, kv_events,
-       kv_events_replay, kv_events_topic, kv_events_hashes, **limits) -> None:
+       kv_events_replay, kv_events_topic, kv_events_hashes, auth_file, insecure, token, tls_cert, tls_key, tls_ca,
+       tls_mutual, **limits) -> None:
     """Run the embedded default: a master and one storage node in this process."""
     from kvstore.serving import service_process
 
     events = build_kv_events(kv_events, kv_events_replay, kv_events_topic, kv_events_hashes)
+    security = ServiceSecurity.from_flags(auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual,
+                                          needs_token=True)
     signals = service_process()
-    master_server = start_master(host, port, metrics_port, 5.0, 1, kv_events=events)
+    master_server = start_master(host, port, metrics_port, 5.0, 1, kv_events=events, security=security)
     node_metrics = metrics_port + 1 if metrics_port > 0 else metrics_port
     storage = start_node(master_server.address, host, data_port, node_metrics, data_dir, dram, ssd, max_block, policy,
-                         advertise, limits)
+                         advertise, limits, security)
     announce(as_json, [f"kvstore up: master on {master_server.address}"] + node_lines(storage) +
              kv_events_lines(master_server) + [f"try: kvstore status --master {master_server.address}"],
              {"master": master_server.address, "master_metrics": master_server.metrics_address,
@@ -358,12 +379,13 @@ def up(host, port, data_port, metrics_port, advertise, data_dir, dram, ssd, max_
 
 @main.command()
 @click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True, help="The master's host:port.")
+@client_security_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def status(master_address, as_json) -> None:
+def status(master_address, as_json, **credentials) -> None:
     """Show the pool: nodes, their tiers, use, blocks and hit rates."""
     from kvstore.admin import cluster_status_record, format_status
 
-    with connect(master_address) as client:
+    with connect(master_address, **credentials) as client:
         record = cluster_status_record(client.cluster_status())
     click.echo(json.dumps(record, indent=2) if as_json else format_status(record))
 
@@ -372,12 +394,13 @@ def status(master_address, as_json) -> None:
 @click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True, help="The master's host:port.")
 @click.option("--namespace", default="", help="Only this namespace (default: all).")
 @click.option("--limit", type=int, default=50, show_default=True, help="How many keys to list.")
+@client_security_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def keys(master_address, namespace, limit, as_json) -> None:
+def keys(master_address, namespace, limit, as_json, **credentials) -> None:
     """List blocks in the pool with the nodes and tiers that hold them."""
     from kvstore.admin import format_keys, keys_record
 
-    with connect(master_address) as client:
+    with connect(master_address, **credentials) as client:
         record = keys_record(client.list_keys(namespace=namespace, limit=limit))
     if namespace and namespace not in record["namespaces"]:
         raise click.ClickException(f"no block in the pool is in namespace {namespace!r} "
@@ -421,10 +444,11 @@ def bench(master_address, sizes, ops, transports, clients, bytes_per_client, bat
     emit(run(settings), as_json, plot_path, echo=click.echo)
 
 
-def connect(master_address: str):
+def connect(master_address: str, **credentials):
+    """A Client of the pool at ``master_address``; ``credentials``: token, tls_ca, tls_cert, tls_key."""
     from kvstore_client.client import Client
 
-    return Client(master_address)
+    return Client(master_address, **credentials)
 
 
 if __name__ == "__main__":

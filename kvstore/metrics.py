@@ -68,10 +68,13 @@ def render(samples: Iterable[Sample]) -> str:
 
 
 class MetricsServer:
-    """Serves ``render(collect())`` at GET /metrics until stop(); binds and starts in the constructor."""
+    """Serves ``render(collect())`` at GET /metrics until stop(); binds and starts in the constructor.
+    With ``access`` (an AccessList) only an admin token (``Authorization: Bearer <token>``, as
+    Prometheus' scrape configs send it) is answered: 401 without one, 403 for other roles."""
 
-    def __init__(self, port: int, collect: Callable[[], Iterable[Sample]], host: str = "127.0.0.1"):
+    def __init__(self, port: int, collect: Callable[[], Iterable[Sample]], host: str = "127.0.0.1", access=None):
         self._collect = collect
+        self._access = access
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
@@ -101,10 +104,12 @@ class MetricsServer:
         self.stop()
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        collect = self._collect
+        collect, access = self._collect, self._access
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                if access is not None and not self._admitted():
+                    return
                 if self.path.split("?", 1)[0] != "/metrics":
                     self._reply(404, "text/plain; charset=utf-8", b"not found: try /metrics\n")
                     return
@@ -115,6 +120,16 @@ class MetricsServer:
                     self._reply(500, "text/plain; charset=utf-8", b"metrics collection failed\n")
                     return
                 self._reply(200, CONTENT_TYPE, body)
+
+            def _admitted(self) -> bool:
+                header = self.headers.get("Authorization") or ""
+                token = header[len("Bearer "):] if header.startswith("Bearer ") else None
+                principal = access.bearer(token)
+                if principal is None:
+                    self._reply(401, "text/plain; charset=utf-8", b"an admin token is required\n")
+                elif principal.role != "admin":
+                    self._reply(403, "text/plain; charset=utf-8", b"metrics are for admin tokens\n")
+                return principal is not None and principal.role == "admin"
 
             def _reply(self, code: int, content_type: str, body: bytes) -> None:
                 self.send_response(code)

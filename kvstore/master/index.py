@@ -366,6 +366,11 @@ class PrefixIndex:
         with self._lock:
             return sum(map(len, self._table.values()))
 
+    def namespace_size(self, namespace: str) -> int:
+        """Distinct keys indexed in one namespace (0 if none)."""
+        with self._lock:
+            return len(self._table.get(namespace, ()))
+
     def node_counts(self) -> dict[str, dict[str, int]]:
         """{node_id: {"dram": blocks, "ssd": blocks}} for every known node."""
         with self._lock:

@@ -14,6 +14,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
+from kvstore_client.credentials import NO_CREDENTIALS, Credentials
 from kvstore_client.errors import KVStoreError
 from kvstore_client.transport import TcpConnection
 
@@ -23,8 +24,10 @@ log = logging.getLogger(__name__)
 class Replicator:
     """Runs block copies in a small thread pool; ``address_of(node_id)`` finds a node's data address."""
 
-    def __init__(self, address_of: Callable[[str], str | None], workers: int = 2):
+    def __init__(self, address_of: Callable[[str], str | None], credentials: Credentials = NO_CREDENTIALS,
+                 workers: int = 2):
         self._address_of = address_of
+        self._credentials = credentials  # what the master presents to nodes (a node or admin key)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="master-replicate")
         self.copied_blocks = 0
         self.failed_copies = 0
@@ -40,7 +43,7 @@ class Replicator:
             return 0
         items = [((namespace, d), first_depth + i) for i, d in enumerate(digests)]
         try:
-            with TcpConnection(dst) as target_node:
+            with TcpConnection(dst, credentials=self._credentials) as target_node:
                 copied = sum(target_node.pull_many(src, items))
         except KVStoreError as exc:
             log.warning("replicating %d blocks %s -> %s failed: %s", len(items), source, target, exc)

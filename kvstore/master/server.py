@@ -14,12 +14,15 @@ metrics server (when enabled) runs on its own daemon thread; with
 ``kv_events`` (KVEventsOptions) the KV event publisher runs one more
 ("master-kv-events", see kvstore.master.kv_events). Without it no ZMQ or
 msgspec module is loaded and the index reports its changes to no one.
+With ``access`` (an access file) every RPC is authenticated and checked
+(kvstore.security.grpc_gate); with ``tls`` the port speaks TLS only.
 Shared state lives in the domain objects, each with its own lock (order:
 Membership, then PrefixIndex).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -36,6 +39,10 @@ from kvstore.master.placement import Placement
 from kvstore.master.replicator import Replicator
 from kvstore.master.service import MasterServicer
 from kvstore.metrics import MetricsServer, Sample
+from kvstore.security.access import AccessList
+from kvstore.security.grpc_gate import AuthGate
+from kvstore.security.tls import ServerTLS
+from kvstore_client.credentials import NO_CREDENTIALS, Credentials
 from kvstore_client.errors import ConfigError
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 
@@ -54,7 +61,8 @@ class MasterServer:
                  heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S, replication_factor: int = 1,
                  metrics_port: int | None = None, max_workers: int = 8,
                  clock: Callable[[], float] = time.monotonic, scheduling: SchedulingOptions | None = None,
-                 kv_events: KVEventsOptions | None = None):
+                 kv_events: KVEventsOptions | None = None, access: AccessList | None = None,
+                 tls: ServerTLS | None = None, dialing: Credentials | None = None):
         if not 0 < heartbeat_interval_s < ttl_s:
             raise ConfigError(f"need 0 < heartbeat_interval_s < ttl_s, got {heartbeat_interval_s} and {ttl_s}")
         self.host, self._port, self._metrics_port = host, port, metrics_port
@@ -62,7 +70,11 @@ class MasterServer:
         self.membership = Membership(self.index, ttl_s=ttl_s, clock=clock)
         self.placement = Placement(replication_factor)
         self.servicer = MasterServicer(self.membership, self.placement, heartbeat_interval_s)
-        self.replicator = Replicator(self._data_address)
+        self.access, self.tls = access, tls
+        dialing = dialing or (tls.dialing(None) if tls is not None else NO_CREDENTIALS)
+        if dialing.data_key is None and access is not None:  # the replicator's PULLs need a node's key
+            dialing = dataclasses.replace(dialing, key=access.service_key())
+        self.replicator = Replicator(self._data_address, dialing)
         self.conductor = ConductorServicer(self.index, self.replicator, scheduling or SchedulingOptions(),
                                            self.servicer._count)
         self._max_workers = max_workers
@@ -90,6 +102,7 @@ class MasterServer:
     def _start_serving(self) -> None:
         server = grpc.server(
             ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="master-rpc"),
+            interceptors=[AuthGate(self.access)] if self.access is not None else None,
             options=[("grpc.so_reuseport", 0),  # a second master on a busy port must fail, not share it
                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
@@ -97,7 +110,10 @@ class MasterServer:
         pb_grpc.add_ConductorServicer_to_server(self.conductor, server)
         target = f"[{self.host}]:{self._port}" if ":" in self.host else f"{self.host}:{self._port}"
         try:
-            bound = server.add_insecure_port(target)
+            if self.tls is not None:
+                bound = server.add_secure_port(target, self.tls.grpc_credentials())
+            else:
+                bound = server.add_insecure_port(target)
         except RuntimeError as e:
             bound = 0
             log.debug("bind %s failed: %s", target, e)
@@ -111,7 +127,8 @@ class MasterServer:
         self._sweeper = threading.Thread(target=self._sweep, name="master-expiry", daemon=True)
         self._sweeper.start()
         if self._metrics_port is not None:
-            self._metrics = MetricsServer(self._metrics_port, self.collect_metrics, host=self.host)
+            self._metrics = MetricsServer(self._metrics_port, self.collect_metrics, host=self.host,
+                                          access=self.access)
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop accepting RPCs, finish in-flight ones within ``grace`` seconds, stop the threads."""
@@ -204,7 +221,8 @@ def run_master(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, ttl_s: floa
                heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S, replication_factor: int = 1,
                metrics_port: int | None = None, grace_s: float = 2.0,
                on_ready: Callable[[MasterServer], None] | None = None,
-               kv_events: KVEventsOptions | None = None) -> None:
+               kv_events: KVEventsOptions | None = None, access: AccessList | None = None,
+               tls: ServerTLS | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then shut down cleanly. Blocks.
 
     Signal handlers are installed only when called from the main thread (and
@@ -215,7 +233,8 @@ def run_master(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, ttl_s: floa
 
     signals = service_process()
     server = MasterServer(host, port, ttl_s=ttl_s, heartbeat_interval_s=heartbeat_interval_s,
-                          replication_factor=replication_factor, metrics_port=metrics_port, kv_events=kv_events)
+                          replication_factor=replication_factor, metrics_port=metrics_port, kv_events=kv_events,
+                          access=access, tls=tls)
     try:
         server.start()
         if on_ready is not None:

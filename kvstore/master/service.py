@@ -40,7 +40,16 @@ from kvstore.master.membership import (
 )
 from kvstore.master.validation import check_node_info, check_tier_stats
 from kvstore.master.placement import Candidate, Placement
-from kvstore_client.errors import InvalidKey, KVStoreError, Overloaded, UnknownNamespace
+from kvstore_client.errors import (
+    InvalidKey,
+    KVStoreError,
+    Overloaded,
+    PermissionDenied,
+    QuotaExceeded,
+    Unauthenticated,
+    UnknownNamespace,
+)
+from kvstore.security.grpc_gate import caller, require_namespace
 from kvstore_client.keys import check_namespace
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
@@ -63,8 +72,12 @@ def status_for(error: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.NOT_FOUND
     if isinstance(error, NodeIdInUse):
         return grpc.StatusCode.ALREADY_EXISTS
-    if isinstance(error, Overloaded):
+    if isinstance(error, (Overloaded, QuotaExceeded)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, PermissionDenied):
+        return grpc.StatusCode.PERMISSION_DENIED
+    if isinstance(error, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(error, ValueError):  # other KVStoreError value errors: still the caller's input
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
@@ -158,6 +171,7 @@ class MasterServicer(pb_grpc.MasterServicer):
     # -- lookups -----------------------------------------------------------------------------
     @_rpc
     def Locate(self, request, context):
+        require_namespace(request.namespace)
         holders_list = self.index.locate(request.namespace, request.digests)
         cache = self._location_cache
         messages = []
@@ -186,6 +200,7 @@ class MasterServicer(pb_grpc.MasterServicer):
 
     @_rpc
     def MatchPrefix(self, request, context):
+        require_namespace(request.namespace)
         counts, longest = self.index.match_prefix(request.namespace, request.digests)
         return pb.MatchPrefixReply(node_prefix_blocks=counts, longest=longest)
 
@@ -193,6 +208,7 @@ class MasterServicer(pb_grpc.MasterServicer):
     @_rpc
     def Place(self, request, context):
         check_namespace(request.namespace)
+        require_namespace(request.namespace)
         counts = self.index.node_counts()
         with self._place_lock:  # rank and charge as one step: concurrent writers spread out
             live = {s.node_id: s for s in self.membership.live_nodes()}
@@ -206,7 +222,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     # -- admin ---------------------------------------------------------------------------------
     @_rpc
     def ClusterStatus(self, request, context):
-        counts = self.index.node_counts()
+        principal = caller()
+        counts = {} if principal.confined else self.index.node_counts()  # per node: the pool's, not a tenant's
         membership = self.membership
         statuses = []
         for state in membership.nodes():
@@ -215,15 +232,33 @@ class MasterServicer(pb_grpc.MasterServicer):
                 info=info_to_pb(state.info), tiers=tiers_to_pb(state.tiers), alive=since <= membership.ttl_s,
                 seconds_since_heartbeat=since, indexed_blocks=sum(counts.get(state.node_id, {}).values()),
             ))
+        indexed = self.index.size()
+        if principal.confined:
+            indexed = sum(self.index.namespace_size(ns) for ns in self.index.namespaces() if principal.may_use(ns))
         return pb.ClusterStatusReply(
-            nodes=statuses, indexed_keys=self.index.size(), replication_factor=self.placement.replication_factor)
+            nodes=statuses, indexed_keys=indexed, replication_factor=self.placement.replication_factor)
 
     @_rpc
     def ListKeys(self, request, context):
+        """Keys of one namespace, or of every namespace the caller may use."""
         limit = min(request.limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
-        entries = self.index.list_keys(request.namespace or None, limit, request.start_after)
+        principal = caller()
+        namespaces = [ns for ns in self.index.namespaces() if principal.may_use(ns)]
+        if request.namespace:
+            require_namespace(request.namespace)
+            entries = self.index.list_keys(request.namespace, limit, request.start_after)
+        elif not principal.confined:
+            entries = self.index.list_keys(None, limit, request.start_after)
+        else:
+            if request.start_after:
+                raise InvalidRequest("start_after needs a namespace: page within one namespace")
+            entries = []
+            for ns in namespaces:
+                if len(entries) >= limit:
+                    break
+                entries += self.index.list_keys(ns, limit - len(entries))
         keys = [
             pb.KeyEntry(namespace=ns, digest=d, replicas=[pb.Replica(node_id=n, tier=t) for n, t in holders])
             for ns, d, holders in entries
         ]
-        return pb.ListKeysReply(keys=keys, namespaces=self.index.namespaces())
+        return pb.ListKeysReply(keys=keys, namespaces=namespaces)

@@ -16,12 +16,15 @@ import stat
 import time
 from dataclasses import dataclass
 
+from kvstore_client.credentials import NO_CREDENTIALS, Credentials
 from kvstore_client.hostid import machine_id
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore.node.config import StoreConfig
 from kvstore.node.data_dir_lock import DataDirLock
 from kvstore.node.peers import RegisteredPeers, refuse_all
 from kvstore.node.store import BlockStore
+from kvstore.security.access import AccessList
+from kvstore.security.tls import ServerTLS
 from kvstore.tiers.arena import shm_dir
 from kvstore.tiers.private import private_dir
 
@@ -62,6 +65,7 @@ class NodeOptions:
     ``port`` 0 picks a free port; ``metrics_port`` None serves no metrics.
     ``node_id`` defaults to one kept in ``data_dir`` (so a restarted node keeps
     its identity and its SSD blocks), or a random one without a data dir.
+    ``access``, ``tls`` and ``credentials``: see kvstore.security.
     ``register_wait_s``: how long ``start`` waits for the master to know the
     node (so clients that come next can be placed on it); after that it keeps
     trying in the background.
@@ -76,6 +80,9 @@ class NodeOptions:
     node_id: str | None = None
     data_dir: str | None = None
     register_wait_s: float = 5.0
+    access: AccessList | None = None  # tokens clients must prove (None: none checked)
+    tls: ServerTLS | None = None  # TLS on the TCP data plane
+    credentials: Credentials = NO_CREDENTIALS  # what the node presents to the master and other nodes
 
 
 def stable_node_id(data_dir: str | None) -> str:
@@ -131,7 +138,9 @@ class StorageNode:
             reap_stale_sockets(shm_dir())
             unix_path = os.path.join(shm_dir(), f"{SOCKET_PREFIX}{self.node_id}{SOCKET_SUFFIX}")
         self.server = DataPlaneServer(self.store, host=opts.host, port=opts.port, unix_path=unix_path,
-                                      node_id=self.node_id, machine_id=machine_id()).start()
+                                      node_id=self.node_id, machine_id=machine_id(), access=opts.access,
+                                      tls=opts.tls.server_context() if opts.tls else None).start()
+        self.server.puller.credentials = opts.credentials
         if unix_path is not None:
             os.chmod(unix_path, 0o600)  # only this user's clients (connect needs write permission)
         self.server.puller.sources = refuse_all  # no master, no registered nodes to pull from
@@ -139,11 +148,12 @@ class StorageNode:
             from kvstore.metrics import MetricsServer
             from kvstore.node.node_metrics import node_metrics
 
-            self.metrics = MetricsServer(opts.metrics_port, lambda: node_metrics(self), host=opts.host)
+            self.metrics = MetricsServer(opts.metrics_port, lambda: node_metrics(self), host=opts.host,
+                                         access=opts.access)
         if opts.master:
             from kvstore.node.master_agent import MasterAgent
 
-            self.agent = MasterAgent(opts.master, self.info(), self.store).start()
+            self.agent = MasterAgent(opts.master, self.info(), self.store, credentials=opts.credentials).start()
             self.server.puller.sources = RegisteredPeers(self.agent.live_data_addresses).allows
             if not self.agent.wait_registered(opts.register_wait_s):
                 if self.agent.refused:

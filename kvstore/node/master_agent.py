@@ -24,6 +24,7 @@ import time
 import grpc
 
 from kvstore_client.client import GRPC_OPTIONS
+from kvstore_client.credentials import NO_CREDENTIALS, Credentials
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.master.credentials import node_metadata
@@ -43,6 +44,9 @@ def tier_stats(stats: dict) -> list:
             for name in ("dram", "ssd") if name in stats]
 
 
+_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
 class MasterAgent:
     """Reports one BlockStore to the master. Thread-safe; runs one daemon thread.
 
@@ -51,14 +55,14 @@ class MasterAgent:
     """
 
     def __init__(self, master_address: str, info: pb.NodeInfo, store: BlockStore, *,
-                 flush_interval: float = 0.05, max_batch: int = 4096):
+                 flush_interval: float = 0.05, max_batch: int = 4096, credentials: Credentials = NO_CREDENTIALS):
         self.info = info
         self._store = store
         self._master_address = master_address
         self._unreachable = False  # said once, not on every retry
         self.refused: str | None = None  # why the master refuses this node id, while it does
         self._metadata = node_metadata(secrets.token_hex(16))  # this process's incarnation
-        self._channel = grpc.insecure_channel(master_address, options=GRPC_OPTIONS)
+        self._channel = credentials.channel(master_address, GRPC_OPTIONS)
         self._stub = pb_grpc.MasterStub(self._channel)
         self._events: collections.deque = collections.deque()
         self._flush_interval = flush_interval
@@ -105,7 +109,7 @@ class MasterAgent:
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                     self._on_refused(exc.details())
-                elif exc.code() == grpc.StatusCode.INVALID_ARGUMENT:  # a bug or a bad flag: say what, once
+                elif exc.code() in _REFUSALS:  # a bug, a bad flag or a bad token: say what, once
                     if exc.details() != self.refused:
                         log.warning("the master refuses this node's message: %s; retrying", exc.details())
                     self.refused = exc.details()

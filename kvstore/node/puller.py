@@ -23,6 +23,7 @@ import logging
 import threading
 from typing import Callable
 
+from kvstore_client.credentials import NO_CREDENTIALS
 from kvstore_client.errors import KVStoreError
 from kvstore_client.transport import TcpConnection
 from kvstore_client.wire import Status, status_of
@@ -42,6 +43,7 @@ class BlockPuller:
         self._store = store
         self._timeout = timeout
         self.sources = sources  # which "host:port" this node may pull from
+        self.credentials = NO_CREDENTIALS  # what this node presents to the sources (its own token)
         self._idle: dict[str, list[TcpConnection]] = {}
         self._lock = threading.Lock()
 
@@ -107,7 +109,7 @@ class BlockPuller:
                 return kept
             except KVStoreError:
                 kept.close()
-        return TcpConnection(source, timeout=self._timeout)
+        return TcpConnection(source, timeout=self._timeout, credentials=self.credentials)
 
     def _give_back(self, source: str, conn: TcpConnection) -> None:
         with self._lock:

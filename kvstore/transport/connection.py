@@ -13,6 +13,10 @@ When the connection ends, however it ends, every lease is released and every
 open reservation revoked (so a client that dies mid-PUT leaves nothing
 half-written and no DRAM held).
 
+On a node with an access file a connection is served nothing but AUTH until
+it has proven a token (kvstore.transport.auth); from then on every key of
+every table is checked against the token's namespaces (``admitted``).
+
 What it holds before a client's bytes arrive is bounded: nothing is sized from a
 header alone (tables are gathered as they arrive, up to ``max_table_bytes``),
 the ops that hold node memory are refused over TCP (``limits.SAME_HOST_OPS``),
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 from typing import TYPE_CHECKING
 
 from kvstore_client.errors import ProtocolError, TransportError
@@ -40,8 +45,9 @@ from kvstore_client.wire import (
     status_of,
     unpack_header,
 )
+from kvstore.security.access import ANYONE, TENANT, Principal
 from kvstore.transport.leases import LeaseTable
-from kvstore.transport.limits import SAME_HOST_OPS, same_host
+from kvstore.transport.limits import NODE_OPS, SAME_HOST_OPS, same_host, set_idle_timeout
 from kvstore.transport.ops import OPS, end_group
 
 if TYPE_CHECKING:
@@ -50,6 +56,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LINGER_SECONDS, _LINGER_BYTES = 0.5, 64 << 20  # input drained after an error reply, at most
+_MAX_ADMITTED = 4096  # namespaces whose verdict a connection remembers
+_DENIED = int(Status.PERMISSION_DENIED)  # an item status is a plain int (ops test type(key) is int)
 
 
 class Frame:
@@ -77,6 +85,29 @@ class Connection:
         self.leases = LeaseTable()  # also expired by the server's housekeeping thread
         self.reservations: dict[int, list] = {}  # reservation id -> [(Reservation | None, status)]
         self._next_id = 0
+        # Who the client is: ANYONE on a node without an access file, else None until AUTH succeeds.
+        self.principal: Principal | None = ANYONE if server.access is None else None
+        self.pending_proof = None  # kvstore.transport.auth.PendingProof between the two AUTH frames
+        self._confined = False
+        self._admitted: dict[str, bool] = {}
+
+    def authenticated(self, principal: Principal) -> None:
+        """The client proved its token (transport/auth.py): serve it, within its namespaces."""
+        self.principal = principal
+        self._confined = principal.confined
+        set_idle_timeout(self.sock, self.server.limits.idle_timeout)  # the handshake's shorter one ends
+
+    def admitted(self, key):
+        """``key`` if the connection's token may use its namespace, else PERMISSION_DENIED (an
+        item status); an int (an item status already) passes through."""
+        if not self._confined or type(key) is int:
+            return key
+        verdict = self._admitted.get(key[0])
+        if verdict is None:
+            if len(self._admitted) >= _MAX_ADMITTED:
+                self._admitted.clear()
+            verdict = self._admitted[key[0]] = self.principal.may_use(key[0])
+        return key if verdict else _DENIED
 
     def new_id(self) -> int:
         self._next_id += 1
@@ -90,6 +121,8 @@ class Connection:
     def serve(self) -> None:
         request_id, op = 0, Op.ERROR
         try:
+            if self.server.tls is not None and not self.same_host:
+                self._start_tls()
             while True:
                 request_id, op = 0, Op.ERROR  # what an error reply echoes until a header parses
                 if not self._wait():
@@ -98,6 +131,12 @@ class Connection:
                 handler = OPS.get(op)
                 if handler is None:
                     raise ProtocolError(f"unknown op {op}", Status.UNSUPPORTED)
+                if self.principal is None and op != Op.AUTH:
+                    raise ProtocolError("this node checks tokens: authenticate first (AUTH; the SDK's "
+                                        "Client(token=...) or KVSTORE_TOKEN)", Status.UNAUTHENTICATED)
+                if op in NODE_OPS and self.principal.role == TENANT:
+                    raise ProtocolError(f"{Op(op).name} is for nodes and admins; token {self.principal.name!r} "
+                                        "is a tenant's", Status.PERMISSION_DENIED)
                 if op in SAME_HOST_OPS and not self.same_host:
                     raise ProtocolError(f"{Op(op).name} holds node memory: same host only (the node's Unix "
                                         "socket), not over TCP", Status.SAME_HOST_ONLY)
@@ -112,6 +151,16 @@ class Connection:
             self._send_error(request_id, status_of(exc), f"{type(exc).__name__}: {exc}")
         finally:
             self.close()
+
+    def _start_tls(self) -> None:
+        """The TLS handshake, in this connection's thread (a slow client delays no one else)."""
+        from kvstore_client.tls import wrap_server
+
+        try:
+            self.sock = wrap_server(self.sock, self.server.tls)
+        except (ssl.SSLError, OSError) as exc:
+            raise TransportError(f"TLS handshake failed: {exc}") from None
+        self.reader = FrameReader(self.sock)
 
     def _wait(self) -> bool:
         """Wait for the next frame; False when the client closed. Past the idle timeout the
@@ -137,7 +186,11 @@ class Connection:
         first): an item table of ``fixed``-headed key entries."""
         size = frame.body_len - consumed
         self.check_table(size)
-        return parse_table(self.reader.read(size), frame.count, fixed)
+        entries = parse_table(self.reader.read(size), frame.count, fixed)
+        if self._confined:
+            admitted = self.admitted
+            entries = [(admitted(key), fields) for key, fields in entries]
+        return entries
 
     def check_table(self, size: int) -> None:
         """FRAME_TOO_LARGE for an item table past ``max_table_bytes``."""

@@ -16,6 +16,7 @@ connections apply them (server.py, connection.py). Spec: proto/dataplane.md, Con
 from __future__ import annotations
 
 import collections
+import os
 import socket
 import struct
 import time
@@ -23,18 +24,26 @@ import time
 from kvstore_client.wire import FLAG_REPLY, Op, Status, pack_header
 
 SAME_HOST_OPS = frozenset({Op.RESERVE, Op.COMMIT, Op.STORE, Op.LEASE})
+NODE_OPS = frozenset({Op.PULL})  # make the node dial another: not for tenants' tokens
+AUTH_TIMEOUT = 10.0  # seconds a connection to a node with an access file has to authenticate
 _TIMEVAL = struct.Struct("@ll")  # struct timeval (seconds, microseconds)
+_PEERCRED = struct.Struct("3i")  # struct ucred (pid, uid, gid)
 
 
 def same_host(sock: socket.socket) -> bool:
-    """Whether a connection came from this host: through the Unix socket."""
-    return sock.family == socket.AF_UNIX
+    """Whether a connection came from this host, through the Unix socket, from a process of
+    the node's own user or root (peer credentials): those may share its arena, which holds
+    every tenant's blocks (and could read the node's memory anyway)."""
+    if sock.family != socket.AF_UNIX:
+        return False
+    _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return uid in (0, os.getuid())
 
 
 def set_idle_timeout(sock: socket.socket, seconds: float | None) -> None:
-    """Make a blocked recv or send on ``sock`` fail (OSError) after ``seconds`` without progress."""
-    if seconds is None:
-        return
+    """Make a blocked recv or send on ``sock`` fail (OSError) after ``seconds`` without progress
+    (None: never)."""
+    seconds = seconds or 0.0
     whole = int(seconds)
     value = _TIMEVAL.pack(whole, int((seconds - whole) * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)

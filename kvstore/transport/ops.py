@@ -9,7 +9,8 @@ Bulk bytes never pass through Python objects: GET sends from the arena
 (``sendmsg`` of the leased views), PUT and PULL receive into reservations;
 same-host writers fill reservations and grants through their own mapping.
 A malformed key is an item status (INVALID_KEY; TOUCH skips it), never an
-exception. Space held for same-host writers between requests, RESERVE's as
+exception; so is a key of a namespace the connection's token may not use
+(PERMISSION_DENIED: ``Connection.admitted``, applied as every table is read). Space held for same-host writers between requests, RESERVE's as
 well as grants, is taken with ``store.grant``, so that it all stays under the
 store's cap on grants (1/GRANT_SHARE of DRAM); a RESERVE's keys are bound at
 COMMIT, and what does not fit under the cap borrows from the server's
@@ -48,6 +49,7 @@ from kvstore_client.wire import (
     status_of,
 )
 
+from kvstore.transport.auth import op_auth
 from kvstore.transport.leases import release_groups
 
 if TYPE_CHECKING:
@@ -234,7 +236,7 @@ def _read_put_table(conn: "Connection", frame: "Frame", trailer: int = 0) -> lis
         if used > limit:
             raise _bad("PUT key entry runs past body_len")
         raw = bytes(reader.read(ns_len + dg_len))
-        entries.append((decode_key(raw[:ns_len], raw[ns_len:]), depth, size, checksum))
+        entries.append((conn.admitted(decode_key(raw[:ns_len], raw[ns_len:])), depth, size, checksum))
         total += size
     if used + total + trailer != limit:
         raise _bad(f"PUT body_len {limit} != table {used} + payloads {total} + checksums {trailer} bytes")
@@ -510,4 +512,5 @@ OPS = {
     Op.PULL: op_pull,
     Op.STORE: op_store,
     Op.VERIFY: op_verify,
+    Op.AUTH: op_auth,
 }

@@ -12,6 +12,10 @@ TTL, so an idle same-host client (which releases late, with its next
 request) cannot pin blocks forever. The same thread keeps the DRAM tier's
 block directory marked alive for same-host one-sided readers.
 
+With an access file (``access``) every connection proves a token before
+anything else is served, and each key it names is checked against the
+token's namespaces (connection.py, auth.py).
+
 What one client may hold is bounded (limits.py): at most ``max_connections``
 connections at once (one more is refused with a BUSY error frame), each closed
 after ``idle_timeout`` seconds without a byte, item tables of at most
@@ -28,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 
@@ -39,7 +44,8 @@ from kvstore.node.store import BlockStore
 from kvstore.node.config import ConnectionLimits
 from kvstore.transport.allowance import Allowance
 from kvstore.transport.connection import Connection
-from kvstore.transport.limits import Refusals, set_idle_timeout
+from kvstore.transport.limits import AUTH_TIMEOUT, Refusals, set_idle_timeout
+from kvstore.security.access import AccessList
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +61,14 @@ class DataPlaneServer:
     socket at ``unix_path`` when given (same-host clients; the shared-memory
     transport uses it as its control channel). Read leases not released within
     ``lease_ttl`` seconds expire (None: never). ``limits``: what each client may hold
-    (default: the store config's ``connections``)."""
+    (default: the store config's ``connections``). ``access``: the access file whose tokens
+    connections must prove (None: no tokens checked). ``tls``: the context TCP connections
+    are served under (None: plain TCP; the Unix socket is always plain)."""
 
     def __init__(self, store: BlockStore, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None,
                  node_id: str = "", machine_id: str = "", max_frame_bytes: int | None = None,
-                 lease_ttl: float | None = DEFAULT_LEASE_TTL, limits: ConnectionLimits | None = None):
+                 lease_ttl: float | None = DEFAULT_LEASE_TTL, limits: ConnectionLimits | None = None,
+                 access: AccessList | None = None, tls: ssl.SSLContext | None = None):
         max_block = store.config.max_block_bytes
         if max_frame_bytes is None:
             max_frame_bytes = max(64 * MiB, max_block + MiB)
@@ -76,6 +85,8 @@ class DataPlaneServer:
         self.max_frame_bytes = max_frame_bytes
         self.lease_ttl = lease_ttl
         self.limits = limits or getattr(store.config, "connections", None) or ConnectionLimits()
+        self.access = access
+        self.tls = tls
         self._refusals = Refusals()
         self.allowance = Allowance(max_frame_bytes)  # RESERVE space past the grant cap, node-wide (ops.py)
         self._stopped = threading.Event()  # wakes the housekeeping thread
@@ -206,7 +217,10 @@ class DataPlaneServer:
                 log.exception("expiring the leases of data-plane connection %s failed", conn.peer)
 
     def _serve_later(self, sock: socket.socket, peer) -> None:
-        set_idle_timeout(sock, self.limits.idle_timeout)
+        idle = self.limits.idle_timeout
+        if self.access is not None:  # until it authenticates (Connection.authenticated)
+            idle = min(idle or AUTH_TIMEOUT, AUTH_TIMEOUT)
+        set_idle_timeout(sock, idle)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         else:  # Unix: raise the small default buffers (TCP autotunes better than any fixed size)

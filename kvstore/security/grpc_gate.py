@@ -1,0 +1,100 @@
+"""The master's gRPC gate: every call authenticated and checked against its method's roles.
+
+With an access file, ``AuthGate`` (a server interceptor) reads the bearer token
+of each call, refuses a missing or unknown one (UNAUTHENTICATED) and a role the
+method does not admit (PERMISSION_DENIED), and runs the method with the
+caller's Principal in a context variable, where servicers read it with
+``caller()`` to check namespaces. A method missing from METHOD_ROLES is refused
+to everyone: a new RPC is closed until someone decides who may call it.
+Without an access file there is no gate and ``caller()`` is ANYONE.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import grpc
+
+from kvstore_client.auth import token_from_metadata
+from kvstore_client.errors import PermissionDenied
+from kvstore.security.access import ADMIN, ANYONE, NODE, TENANT, AccessList, Principal
+
+_MEMBERSHIP, _DATA = frozenset({ADMIN, NODE}), frozenset({ADMIN, TENANT})
+METHOD_ROLES: dict[str, frozenset] = {
+    "Master/Register": _MEMBERSHIP,
+    "Master/Heartbeat": _MEMBERSHIP,
+    "Master/ReportBlocks": _MEMBERSHIP,
+    "Master/Locate": _DATA,
+    "Master/MatchPrefix": _DATA,
+    "Master/Place": _DATA,
+    "Master/ClusterStatus": _DATA,
+    "Master/ListKeys": _DATA,
+    "Conductor/RegisterEngine": _DATA,
+    "Conductor/ReportEngineLoad": _DATA,
+    "Conductor/Schedule": _DATA,
+    "Conductor/ReportRequest": _DATA,
+    "Conductor/DeregisterEngine": _DATA,
+}
+
+_CALLER: contextvars.ContextVar[Principal] = contextvars.ContextVar("kvstore_caller", default=ANYONE)
+
+
+def caller() -> Principal:
+    """The principal of the RPC this thread serves (ANYONE when no access file is in force)."""
+    return _CALLER.get()
+
+
+def require_namespace(namespace: str) -> None:
+    """PermissionDenied unless the caller may use ``namespace``."""
+    principal = _CALLER.get()
+    if not principal.may_use(namespace):
+        raise PermissionDenied(f"token {principal.name!r} may not use namespace {namespace!r}")
+
+
+def short_name(method: str) -> str:
+    """"/kvstore.v1.Master/Register" -> "Master/Register"."""
+    service, _, name = method.lstrip("/").rpartition("/")
+    return f"{service.rpartition('.')[2]}/{name}"
+
+
+class AuthGate(grpc.ServerInterceptor):
+    """Authenticates every call against ``access`` (see the module docstring)."""
+
+    def __init__(self, access: AccessList):
+        self._access = access
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None:  # unknown method: gRPC answers UNIMPLEMENTED
+            return handler
+        principal = self._access.bearer(token_from_metadata(details.invocation_metadata))
+        method = short_name(details.method)
+        if principal is None:
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
+                            f"{method}: a valid token is required (Client(token=...), --token or KVSTORE_TOKEN)")
+        roles = METHOD_ROLES.get(method, frozenset())
+        if principal.role not in roles:
+            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
+                            f"{method}: token {principal.name!r} ({principal.role}) may not call it")
+        return _as(handler, principal)
+
+
+def _as(handler, principal: Principal):
+    behavior = handler.unary_unary
+
+    def with_caller(request, context):
+        token = _CALLER.set(principal)
+        try:
+            return behavior(request, context)
+        finally:
+            _CALLER.reset(token)
+
+    return handler._replace(unary_unary=with_caller)
+
+
+def _refusal(handler, code: grpc.StatusCode, message: str):
+    def refuse(request, context):
+        context.abort(code, message)
+
+    return grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=handler.request_deserializer,
+                                               response_serializer=handler.response_serializer)
