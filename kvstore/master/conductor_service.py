@@ -23,6 +23,7 @@ from kvstore.master.service import _rpc
 from kvstore.scheduler.clock import Clock
 from kvstore.scheduler.conductor import Conductor, Decision, Rejected
 from kvstore.scheduler.cost_model import CostModel
+from kvstore.security.grpc_gate import require_namespace
 from kvstore_client.errors import ConfigError, Overloaded
 from kvstore_client.keys import check_namespace
 from kvstore_client.proto import kvstore_pb2 as pb
@@ -63,7 +64,10 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         self._lock = threading.Lock()
 
     def conductor(self, namespace: str) -> Conductor:
+        """The namespace's Conductor; PermissionDenied when the caller's token may not use it
+        (every RPC here reaches its conductor through this)."""
         namespace = check_namespace(namespace)
+        require_namespace(namespace)
         with self._lock:
             conductor = self._conductors.get(namespace)
             if conductor is None:
@@ -76,9 +80,9 @@ class ConductorServicer(pb_grpc.ConductorServicer):
 
     @_rpc
     def RegisterEngine(self, request, context):
+        conductor = self.conductor(request.namespace)  # the namespace's check comes first
         if not request.engine_id or not request.node_id:
             raise InvalidRequest("an engine needs an engine_id and the node_id its KV lands on")
-        conductor = self.conductor(request.namespace)
         if request.role == pb.PREFILL:
             conductor.register_prefill(request.engine_id, request.node_id)
         elif request.role == pb.DECODE:
@@ -89,9 +93,10 @@ class ConductorServicer(pb_grpc.ConductorServicer):
 
     @_rpc
     def DeregisterEngine(self, request, context):
+        conductor = self.conductor(request.namespace)
         if not request.engine_id:
             raise InvalidRequest("deregistering needs an engine_id")
-        ended = self.conductor(request.namespace).deregister(request.engine_id)
+        ended = conductor.deregister(request.engine_id)
         return pb.EngineDeregistered(known=ended is not None, ended_requests=ended or 0)
 
     @_rpc
