@@ -89,27 +89,41 @@ class RegisterRequest(_message.Message):
     info: NodeInfo
     def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
 
+class TenantBytes(_message.Message):
+    __slots__ = ("tenant", "bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
 class RegisterReply(_message.Message):
-    __slots__ = ("heartbeat_interval_s", "ttl_s")
+    __slots__ = ("heartbeat_interval_s", "ttl_s", "allowances")
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ALLOWANCES_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_s: float
     ttl_s: float
-    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    allowances: _containers.RepeatedCompositeFieldContainer[TenantBytes]
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., allowances: _Optional[_Iterable[_Union[TenantBytes, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "tiers")
+    __slots__ = ("node_id", "tiers", "held")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
-    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[TenantBytes]
+    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., held: _Optional[_Iterable[_Union[TenantBytes, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "allowances")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    ALLOWANCES_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    allowances: _containers.RepeatedCompositeFieldContainer[TenantBytes]
+    def __init__(self, known: _Optional[bool] = ..., allowances: _Optional[_Iterable[_Union[TenantBytes, _Mapping]]] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
     __slots__ = ("kind", "tier", "digest")

@@ -36,6 +36,7 @@ from kvstore.master.index import PrefixIndex
 from kvstore.master.kv_events import KVEventsOptions, open_publisher
 from kvstore.master.membership import Membership
 from kvstore.master.placement import Placement
+from kvstore.master.quotas import Quotas
 from kvstore.master.replicator import Replicator
 from kvstore.master.service import MasterServicer
 from kvstore.metrics import MetricsServer, Sample
@@ -69,7 +70,8 @@ class MasterServer:
         self.index = PrefixIndex()
         self.membership = Membership(self.index, ttl_s=ttl_s, clock=clock)
         self.placement = Placement(replication_factor)
-        self.servicer = MasterServicer(self.membership, self.placement, heartbeat_interval_s)
+        self.quotas = Quotas(access) if access is not None else None
+        self.servicer = MasterServicer(self.membership, self.placement, heartbeat_interval_s, self.quotas)
         self.access, self.tls = access, tls
         dialing = dialing or (tls.dialing(None) if tls is not None else NO_CREDENTIALS)
         if dialing.data_key is None and access is not None:  # the replicator's PULLs need a node's key
@@ -187,6 +189,8 @@ class MasterServer:
         while not self._stopping.wait(self._sweep_s):
             try:
                 for node_id in self.membership.expire():
+                    if self.quotas is not None:
+                        self.quotas.forget(node_id)
                     log.warning("node %s missed its heartbeats for %.1f s: dropped with its blocks",
                                 node_id, self.membership.ttl_s)
             except Exception:  # keep sweeping whatever happens

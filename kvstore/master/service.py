@@ -40,6 +40,7 @@ from kvstore.master.membership import (
 )
 from kvstore.master.validation import check_node_info, check_tier_stats
 from kvstore.master.placement import Candidate, Placement
+from kvstore.master.quotas import Quotas
 from kvstore_client.errors import (
     InvalidKey,
     KVStoreError,
@@ -124,8 +125,10 @@ def tiers_to_pb(tiers) -> list[pb.TierStats]:
 class MasterServicer(pb_grpc.MasterServicer):
     """Serves the Master service over a PrefixIndex, a Membership and a Placement."""
 
-    def __init__(self, membership: Membership, placement: Placement, heartbeat_interval_s: float):
+    def __init__(self, membership: Membership, placement: Placement, heartbeat_interval_s: float,
+                 quotas: Quotas | None = None):
         self.membership = membership
+        self.quotas = quotas  # tenant quotas (kvstore.master.quotas), when the access file sets any
         self.index = membership.index
         self.placement = placement
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -151,14 +154,24 @@ class MasterServicer(pb_grpc.MasterServicer):
     def Register(self, request, context):
         info = check_node_info(info_from_pb(request.info))
         self.membership.register(info, credential=credential_of(context))
-        return pb.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s, ttl_s=self.membership.ttl_s)
+        return pb.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s, ttl_s=self.membership.ttl_s,
+                                allowances=self._allowances(info.node_id, None))
 
     @_rpc
     def Heartbeat(self, request, context):
         check_node_id(request.node_id)
         tiers = check_tier_stats(tiers_from_pb(request.tiers))
         known = self.membership.heartbeat(request.node_id, tiers, credential=credential_of(context))
-        return pb.HeartbeatReply(known=known)
+        return pb.HeartbeatReply(known=known, allowances=self._allowances(request.node_id, request.held) if known else [])
+
+    def _allowances(self, node_id: str, held) -> list[pb.TenantBytes]:
+        """Record a node's per-tenant figures (None: none yet) and answer its allowances."""
+        if not self.quotas:
+            return []
+        if held is not None:
+            self.quotas.report(node_id, {t.tenant: t.bytes for t in held})
+        allowed = self.quotas.allowances(node_id, len(self.membership.live_nodes()))
+        return [pb.TenantBytes(tenant=t, bytes=b) for t, b in allowed.items()]
 
     @_rpc
     def ReportBlocks(self, request, context):
@@ -209,6 +222,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def Place(self, request, context):
         check_namespace(request.namespace)
         require_namespace(request.namespace)
+        if self.quotas:
+            self.quotas.check_place(caller())
         counts = self.index.node_counts()
         with self._place_lock:  # rank and charge as one step: concurrent writers spread out
             live = {s.node_id: s for s in self.membership.live_nodes()}

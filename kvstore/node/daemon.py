@@ -23,6 +23,7 @@ from kvstore.node.config import StoreConfig
 from kvstore.node.data_dir_lock import DataDirLock
 from kvstore.node.peers import RegisteredPeers, refuse_all
 from kvstore.node.store import BlockStore
+from kvstore.node.tenant_usage import TenantUsage
 from kvstore.security.access import AccessList
 from kvstore.security.tls import ServerTLS
 from kvstore.tiers.arena import shm_dir
@@ -133,13 +134,18 @@ class StorageNode:
 
         opts = self.options
         self.store = BlockStore(self.config)
+        usage = TenantUsage(opts.access) if opts.access is not None else None
+        if usage:
+            self.store.track_usage(usage)
+        else:
+            usage = None
         unix_path = None
         if opts.unix_socket:
             reap_stale_sockets(shm_dir())
             unix_path = os.path.join(shm_dir(), f"{SOCKET_PREFIX}{self.node_id}{SOCKET_SUFFIX}")
         self.server = DataPlaneServer(self.store, host=opts.host, port=opts.port, unix_path=unix_path,
                                       node_id=self.node_id, machine_id=machine_id(), access=opts.access,
-                                      tls=opts.tls.server_context() if opts.tls else None).start()
+                                      tls=opts.tls.server_context() if opts.tls else None, usage=usage).start()
         self.server.puller.credentials = opts.credentials
         if unix_path is not None:
             os.chmod(unix_path, 0o600)  # only this user's clients (connect needs write permission)
@@ -153,7 +159,8 @@ class StorageNode:
         if opts.master:
             from kvstore.node.master_agent import MasterAgent
 
-            self.agent = MasterAgent(opts.master, self.info(), self.store, credentials=opts.credentials).start()
+            self.agent = MasterAgent(opts.master, self.info(), self.store, credentials=opts.credentials,
+                                     usage=usage).start()
             self.server.puller.sources = RegisteredPeers(self.agent.live_data_addresses).allows
             if not self.agent.wait_registered(opts.register_wait_s):
                 if self.agent.refused:

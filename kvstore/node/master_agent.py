@@ -55,7 +55,9 @@ class MasterAgent:
     """
 
     def __init__(self, master_address: str, info: pb.NodeInfo, store: BlockStore, *,
-                 flush_interval: float = 0.05, max_batch: int = 4096, credentials: Credentials = NO_CREDENTIALS):
+                 flush_interval: float = 0.05, max_batch: int = 4096, credentials: Credentials = NO_CREDENTIALS,
+                 usage=None):
+        self._usage = usage  # TenantUsage: reported with heartbeats, given the master's allowances
         self.info = info
         self._store = store
         self._master_address = master_address
@@ -139,6 +141,7 @@ class MasterAgent:
         reply = self._stub.Register(pb.RegisterRequest(info=self.info), timeout=5, metadata=self._metadata)
         if reply.heartbeat_interval_s > 0:
             self._heartbeat_interval = reply.heartbeat_interval_s
+        self._allow(reply.allowances)
         inventory = self._store.inventory(then=self._events.clear)
         for start in range(0, max(len(inventory), 1), _INVENTORY_CHUNK):
             chunk = inventory[start : start + _INVENTORY_CHUNK]
@@ -153,11 +156,17 @@ class MasterAgent:
         log.info("registered with the master as %s (%d blocks)", self.info.node_id, len(inventory))
 
     def _heartbeat(self) -> None:
+        held = [pb.TenantBytes(tenant=t, bytes=b) for t, b in self._usage.held().items()] if self._usage else []
         reply = self._stub.Heartbeat(
-            pb.HeartbeatRequest(node_id=self.info.node_id, tiers=tier_stats(self._store.stats())), timeout=5,
-            metadata=self._metadata)
+            pb.HeartbeatRequest(node_id=self.info.node_id, tiers=tier_stats(self._store.stats()), held=held),
+            timeout=5, metadata=self._metadata)
         if not reply.known:
             self._registration.clear()
+        self._allow(reply.allowances)
+
+    def _allow(self, allowances) -> None:
+        if self._usage is not None and allowances:
+            self._usage.allow({a.tenant: a.bytes for a in allowances})
 
     def _flush(self, drain: bool = False) -> None:
         """Report queued events: full batches at once, a partial one only every flush interval.

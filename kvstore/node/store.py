@@ -59,6 +59,7 @@ class BlockStore:
         self._listeners: list[Listener] = []
         self._closed = False
         self._granted = 0  # bytes held by grants not bound to a key yet
+        self._usage = None  # told of the bytes held per namespace (track_usage)
         self._grant_lock = threading.Lock()
         if config.ssd_path is not None:
             from kvstore.tiers.ssd import SsdTier
@@ -73,6 +74,7 @@ class BlockStore:
         """Re-index blocks that survived in the SSD tier from an earlier run."""
         for key, size, depth in self._ssd.inventory():
             self._table[key] = BlockMeta(SSD, size, depth)
+            self._account(key, size)
             self._policies[SSD].add(key, depth=depth)
         self._counters[SSD].checksum_failures = self._ssd.checksum_failures
 
@@ -83,6 +85,19 @@ class BlockStore:
         if allowed is not None and key[0] not in allowed:
             raise UnknownNamespace(f"namespace {key[0]!r} is not declared on this store")
         return key
+
+    def track_usage(self, usage) -> None:
+        """Report every change of the bytes held per namespace to ``usage.changed(namespace,
+        delta)`` (called under the store lock: it must be quick). Tenant quotas use it."""
+        with self._lock:
+            self._usage = usage
+            for key, meta in self._table.items():
+                usage.changed(key[0], meta.size)
+
+    def _account(self, key: BlockKey, delta: int) -> None:
+        """Under _lock: a block of ``key``'s namespace came, went or changed size."""
+        if self._usage is not None and delta:
+            self._usage.changed(key[0], delta)
 
     def _check_size(self, size: int) -> None:
         if size <= 0:
@@ -159,6 +174,7 @@ class BlockStore:
                 self._drop_ssd_record(key, old)
             self._dram.commit(key, extent, checksum)
             self._table[key] = meta
+            self._account(key, extent.size - (old.size if old is not None else 0))
             self._hold(key, meta, new=old is None)
             if not meta.pins:
                 self._policies[DRAM].add(key, depth=depth, hits=meta.hits)
@@ -464,6 +480,7 @@ class BlockStore:
     def _forget(self, key: BlockKey, meta: BlockMeta) -> None:
         """Under _lock: remove a block from the table, its policy and its tier."""
         del self._table[key]
+        self._account(key, -meta.size)
         self._policies[meta.tier].discard(key)
         if meta.tier == DRAM:
             self._dram.discard(key)

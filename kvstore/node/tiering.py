@@ -135,6 +135,7 @@ class Tiering:
                         store._emit("moved", key, SSD)
                     else:
                         del store._table[key]
+                        store._account(key, -meta.size)
                         store._counters[DRAM].evictions += 1
                         store._emit("removed", key, DRAM)
                 elif wrote:  # replaced, removed or pinned meanwhile: the copy is stale

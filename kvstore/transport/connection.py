@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 
 _LINGER_SECONDS, _LINGER_BYTES = 0.5, 64 << 20  # input drained after an error reply, at most
 _MAX_ADMITTED = 4096  # namespaces whose verdict a connection remembers
-_DENIED = int(Status.PERMISSION_DENIED)  # an item status is a plain int (ops test type(key) is int)
+_DENIED = int(Status.PERMISSION_DENIED)
+_OVER_QUOTA = int(Status.QUOTA_EXCEEDED)  # an item status is a plain int (ops test type(key) is int)
 
 
 class Frame:
@@ -90,12 +91,23 @@ class Connection:
         self.pending_proof = None  # kvstore.transport.auth.PendingProof between the two AUTH frames
         self._confined = False
         self._admitted: dict[str, bool] = {}
+        self._usage = None  # the node's TenantUsage, for a tenant with a quota
 
     def authenticated(self, principal: Principal) -> None:
         """The client proved its token (transport/auth.py): serve it, within its namespaces."""
         self.principal = principal
         self._confined = principal.confined
+        usage = self.server.usage
+        if usage is not None and principal.confined and principal.quota is not None:
+            self._usage = usage
         set_idle_timeout(self.sock, self.server.limits.idle_timeout)  # the handshake's shorter one ends
+
+    def quota_status(self, size: int) -> int:
+        """OK, or QUOTA_EXCEEDED when ``size`` more bytes would take the connection's tenant
+        past what it may hold on this node."""
+        if self._usage is None or self._usage.admits(self.principal, size):
+            return Status.OK
+        return _OVER_QUOTA
 
     def admitted(self, key):
         """``key`` if the connection's token may use its namespace, else PERMISSION_DENIED (an
@@ -128,12 +140,12 @@ class Connection:
                 if not self._wait():
                     return  # closed between frames
                 op, _, flags, request_id, count, body_len = unpack_header(self.reader.read(HEADER_SIZE))
+                if self.principal is None and op != Op.AUTH:  # before anything else, unknown ops too
+                    raise ProtocolError("this node checks tokens: authenticate first (AUTH; the SDK's "
+                                        "Client(token=...) or KVSTORE_TOKEN)", Status.UNAUTHENTICATED)
                 handler = OPS.get(op)
                 if handler is None:
                     raise ProtocolError(f"unknown op {op}", Status.UNSUPPORTED)
-                if self.principal is None and op != Op.AUTH:
-                    raise ProtocolError("this node checks tokens: authenticate first (AUTH; the SDK's "
-                                        "Client(token=...) or KVSTORE_TOKEN)", Status.UNAUTHENTICATED)
                 if op in NODE_OPS and self.principal.role == TENANT:
                     raise ProtocolError(f"{Op(op).name} is for nodes and admins; token {self.principal.name!r} "
                                         "is a tenant's", Status.PERMISSION_DENIED)

@@ -247,9 +247,10 @@ def _receive_block(conn: "Connection", key, depth: int, size: int):
     """Receive one PUT payload straight into a reservation, hashing it as it lands (still in
     cache): (the reservation, still to be committed, and the XXH3-64 of its bytes). A refused
     item's payload is drained and its status returned instead."""
-    if type(key) is int:
+    refused = key if type(key) is int else conn.quota_status(size)
+    if refused:
         conn.reader.skip(size)
-        return key
+        return refused
     try:
         res = conn.store.reserve(key, size, depth=depth)
     except KVStoreError as exc:
@@ -323,7 +324,7 @@ def op_reserve(conn: "Connection", frame: "Frame") -> None:
     if frame.flags & FLAG_REGRANT:
         wanted = [(OK, size, None) for _, (_, _, _, size) in entries]
     else:
-        wanted = [(key if type(key) is int else _known(store, key), size, (key, depth))
+        wanted = [(key if type(key) is int else _known(store, key) or conn.quota_status(size), size, (key, depth))
                   for key, (_, _, depth, size) in entries]
     conn.reply(frame, frame.count, _reserved_table(conn, wanted))
 
@@ -420,6 +421,8 @@ def op_store(conn: "Connection", frame: "Frame") -> None:
                 out[i] = key
             elif size != res.size:
                 out[i] = Status.INVALID_VALUE
+            elif conn.quota_status(size):
+                out[i] = Status.QUOTA_EXCEEDED
             else:
                 try:
                     res.bind(key, depth)

@@ -63,12 +63,13 @@ class DataPlaneServer:
     ``lease_ttl`` seconds expire (None: never). ``limits``: what each client may hold
     (default: the store config's ``connections``). ``access``: the access file whose tokens
     connections must prove (None: no tokens checked). ``tls``: the context TCP connections
-    are served under (None: plain TCP; the Unix socket is always plain)."""
+    are served under (None: plain TCP; the Unix socket is always plain). ``usage``: the
+    node's TenantUsage, when tenants have quotas."""
 
     def __init__(self, store: BlockStore, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None,
                  node_id: str = "", machine_id: str = "", max_frame_bytes: int | None = None,
                  lease_ttl: float | None = DEFAULT_LEASE_TTL, limits: ConnectionLimits | None = None,
-                 access: AccessList | None = None, tls: ssl.SSLContext | None = None):
+                 access: AccessList | None = None, tls: ssl.SSLContext | None = None, usage=None):
         max_block = store.config.max_block_bytes
         if max_frame_bytes is None:
             max_frame_bytes = max(64 * MiB, max_block + MiB)
@@ -87,6 +88,7 @@ class DataPlaneServer:
         self.limits = limits or getattr(store.config, "connections", None) or ConnectionLimits()
         self.access = access
         self.tls = tls
+        self.usage = usage
         self._refusals = Refusals()
         self.allowance = Allowance(max_frame_bytes)  # RESERVE space past the grant cap, node-wide (ops.py)
         self._stopped = threading.Event()  # wakes the housekeeping thread
