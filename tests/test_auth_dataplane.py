@@ -423,3 +423,20 @@ def test_a_node_without_an_access_file_answers_hello_empty_and_serves(tmp_path):
                     assert conn.get(key) == b"anyone"
         finally:
             server.stop()
+
+
+def test_a_tenant_is_not_given_the_block_directory(node):
+    """One-sided reads through the node's block directory would skip the namespace check (it
+    lists every tenant's blocks): INFO names it to admins and nodes, not to tenants."""
+    import json
+
+    def info(token: str) -> dict:
+        with tenant_sock(node, "unix", token) as sock:
+            sock.sendall(pack_header(Op.INFO, 1, 0, 0))
+            op, status, _, body = read_reply(sock)
+            assert (op, status) == (Op.INFO, Status.OK)
+            return json.loads(body)
+
+    assert info(ADMIN)["directory"] and info(NODE)["directory"]
+    assert info(TENANT_A)["directory"] is None and info(TENANT_B)["directory"] is None
+    assert info(TENANT_A)["arena"] == info(ADMIN)["arena"]  # shared memory itself still serves writes
