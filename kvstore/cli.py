@@ -374,6 +374,24 @@ def up(host, port, data_port, metrics_port, advertise, data_dir, dram, ssd, max_
     signals.serve([storage.stop, master_server.stop])
 
 
+@main.command()
+@click.argument("name")
+@click.option("--role", type=click.Choice(["admin", "node", "tenant"]), required=True, help="What the token may do.")
+@click.option("--namespace", "namespaces", multiple=True, metavar="NS",
+              help="A namespace the tenant may use (repeat; a prefix ends in *). Tenants only.")
+@click.option("--quota", type=SIZE, default=None, help="Bytes the tenant may hold across the pool.")
+@click.option("--hashed", is_flag=True,
+              help="Write secret_sha256 (the token then goes to stderr, once, and the file never holds it).")
+def token(name, role, namespaces, quota, hashed) -> None:
+    """Make a token: print its access-file entry (append it to the file given to --auth)."""
+    from kvstore.security.tokens import new_entry
+
+    entry, secret = new_entry(name, role, list(namespaces), quota, hashed)
+    click.echo(entry)
+    if hashed:
+        click.echo(f"token for {name}: {secret}", err=True)
+
+
 # -- inspection --------------------------------------------------------------------------------
 
 

@@ -144,10 +144,15 @@ class AccessList:
         return [e.principal for e in self._entries]
 
 
+def check_token_name(name: str, where: str = "") -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigError(f"{where or repr(name)}: a token name is 1-64 letters, digits, '.', '_' or '-'")
+    return name
+
+
 def _entry(name: str, body, source: str) -> Entry:
     where = f"{source}: [tokens.{name}]"
-    if not _NAME.match(name):
-        raise ConfigError(f"{where}: a token name is 1-64 letters, digits, '.', '_' or '-'")
+    check_token_name(name, where)
     if not isinstance(body, dict):
         raise ConfigError(f"{where} must be a table")
     unknown = set(body) - _ENTRY_KEYS
