@@ -108,6 +108,9 @@ def test_every_method_has_roles():
     declared = {f"{s.name}/{m.name}" for s, m in METHODS}
     assert declared - set(METHOD_ROLES) == set(), "methods with no roles in METHOD_ROLES"
     assert set(METHOD_ROLES) - declared == set(), "METHOD_ROLES names methods the proto does not declare"
+    for service, method in METHODS:  # AuthGate passes streaming handlers through ungated
+        assert not method.client_streaming and not method.server_streaming, \
+            f"{service.name}/{method.name} streams: teach AuthGate to gate it first"
     for name, roles in METHOD_ROLES.items():
         assert ADMIN_ROLE in roles, name
         assert (NODE_ROLE in roles) != (TENANT_ROLE in roles), f"{name}: nodes or tenants, not both"
