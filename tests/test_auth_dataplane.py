@@ -99,6 +99,12 @@ def victim(node):
         assert conn.get(VICTIM) == VICTIM_VALUE
 
 
+def assert_intact(node) -> None:
+    """Tenant B's block is exactly as B stored it."""
+    with TcpConnection(node.address, credentials=Credentials(TENANT_B)) as conn:
+        assert conn.get(VICTIM) == VICTIM_VALUE
+
+
 def open_sock(node, transport: str) -> socket.socket:
     return node.tcp() if transport == "tcp" else node.unix()
 
@@ -170,6 +176,7 @@ def test_every_op_before_auth_is_unauthenticated_and_closes(node, victim, op, tr
         sock.sendall(request_of(op, victim))
         message = expect_error(sock, Status.UNAUTHENTICATED)
         assert "AUTH" in message or "token" in message
+    assert_intact(node)
 
 
 def test_a_second_frame_after_the_refusal_is_never_served(node, victim):
@@ -177,6 +184,7 @@ def test_a_second_frame_after_the_refusal_is_never_served(node, victim):
     with node.unix() as sock:
         sock.sendall(request_of(Op.EXISTS, victim) + request_of(Op.REMOVE, victim) + request_of(Op.PUT, victim))
         expect_error(sock, Status.UNAUTHENTICATED)
+    assert_intact(node)
 
 
 def test_the_sdk_without_a_token_is_refused_typed(node):
@@ -313,6 +321,7 @@ def test_put_over_another_tenants_block_is_denied_drained_and_the_connection_ser
         sock.sendall(pack_header(Op.GET, 4, 1, len(table)) + table)
         _, status, _, reply = read_reply(sock)
         assert status == Status.OK and reply[GET_ITEM.size:] == mine
+    assert_intact(node)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
@@ -323,6 +332,7 @@ def test_status_ops_on_another_tenants_block_are_denied(node, victim, op, transp
         sock.sendall(pack_header(op, 6, 3, len(table)) + table)
         assert read_reply(sock) == (op, Status.OK, 3, bytes([DENIED] * 3))
         ping(sock)
+    assert_intact(node)
 
 
 def test_lease_of_another_tenants_block_is_denied(node, victim):
@@ -361,6 +371,7 @@ def test_store_into_another_tenants_key_is_denied(node, victim):
         sock.sendall(pack_header(Op.STORE, 3, 1, len(store)) + store)
         assert read_reply(sock) == (Op.STORE, Status.OK, 1, bytes([DENIED]))
         ping(sock)
+    assert_intact(node)
 
 
 def test_touch_skips_another_tenants_keys(node, victim):
@@ -401,6 +412,7 @@ def test_the_sdk_raises_permission_denied_for_another_tenants_keys(node, victim)
             own = (NS_A, digest("sdk-own"))
             conn.put(own, b"still usable")
             assert conn.get(own) == b"still usable"
+    assert_intact(node)
 
 
 # -- a node without an access file ----------------------------------------------------------------
