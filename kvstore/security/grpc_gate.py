@@ -65,8 +65,11 @@ class AuthGate(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if handler is None or handler.unary_unary is None:  # unknown method: gRPC answers UNIMPLEMENTED
+        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
             return handler
+        if handler.unary_unary is None:  # closed until the gate learns to check streams
+            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
+                            f"{short_name(details.method)}: streaming methods are not served under an access file")
         principal = self._access.bearer(token_from_metadata(details.invocation_metadata))
         method = short_name(details.method)
         if principal is None:
@@ -93,8 +96,14 @@ def _as(handler, principal: Principal):
 
 
 def _refusal(handler, code: grpc.StatusCode, message: str):
+    """A handler of ``handler``'s kind that aborts every call with ``code``."""
+
     def refuse(request, context):
         context.abort(code, message)
 
-    return grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=handler.request_deserializer,
-                                               response_serializer=handler.response_serializer)
+    make = (grpc.unary_unary_rpc_method_handler if handler.unary_unary is not None
+            else grpc.unary_stream_rpc_method_handler if handler.unary_stream is not None
+            else grpc.stream_unary_rpc_method_handler if handler.stream_unary is not None
+            else grpc.stream_stream_rpc_method_handler)
+    return make(refuse, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
