@@ -505,20 +505,33 @@ def op_pull(conn: "Connection", frame: "Frame") -> None:
     conn.reply(frame, frame.count, out)
 
 
+def _one_request(op):
+    """Run ``op`` as one store request (BlockStore.request): the blocks a frame writes are
+    not evicted to make room for the rest of that frame."""
+
+    def serve(conn: "Connection", frame: "Frame") -> None:
+        with conn.store.request():
+            op(conn, frame)
+
+    serve.__name__ = serve.__qualname__ = op.__name__
+    serve.__doc__ = op.__doc__
+    return serve
+
+
 OPS = {
     Op.PING: op_ping,
     Op.INFO: op_info,
     Op.GET: op_get,
-    Op.PUT: op_put,
+    Op.PUT: _one_request(op_put),
     Op.EXISTS: op_exists,
     Op.REMOVE: op_remove,
     Op.LEASE: op_lease,
     Op.RELEASE: op_release,
     Op.RESERVE: op_reserve,
-    Op.COMMIT: op_commit,
+    Op.COMMIT: _one_request(op_commit),
     Op.TOUCH: op_touch,
-    Op.PULL: op_pull,
-    Op.STORE: op_store,
+    Op.PULL: _one_request(op_pull),
+    Op.STORE: _one_request(op_store),
     Op.VERIFY: op_verify,
     Op.AUTH: op_auth,
 }
