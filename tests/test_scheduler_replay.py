@@ -118,3 +118,20 @@ def test_decision_latency_bench_runs_small():
     assert r["indexed_blocks"] == 4000
     assert set(r["policies"]) == {"random", "load_balance", "cache_aware", "kvcache_centric"}
     assert all(0 < v["p50_us"] <= v["p99_us"] <= v["max_us"] for v in r["policies"].values())
+
+
+def test_a_replayed_request_does_not_evict_its_own_blocks():
+    """LFU would pick the request's fresh blocks (no hits) over old, read ones; the request
+    keeps them, as the real store does (BlockStore.request)."""
+    from kvstore.master.index import PrefixIndex
+    from kvstore.scheduler.simulation import SimNode
+
+    for policy in ("lru", "lfu", "length_aware"):
+        node = SimNode("n", capacity=4, eviction=policy, index=PrefixIndex(), namespace="ns")
+        node.store([b"o0", b"o1", b"o2", b"o3"])
+        node.read([b"o0", b"o1", b"o2", b"o3"])
+        node.store([b"o0", b"n1", b"n2"])  # a request: its prefix o0 read, then two fresh blocks
+        assert all(d in node.keys for d in (b"o0", b"n1", b"n2")), policy
+        assert len(node.keys) == 4 and node.evictions == 2
+        node.store([b"x%d" % i for i in range(6)])  # longer than the cache: keeps what fits
+        assert len(node.keys) == 4

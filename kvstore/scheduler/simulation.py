@@ -50,12 +50,15 @@ class SimRequest:
 
 
 class SimNode:
-    """A storage node's DRAM block cache in replay, reporting to the PrefixIndex."""
+    """A storage node's DRAM block cache in replay, reporting to the PrefixIndex. As in the
+    real store (BlockStore.request), a request's own blocks are not evicted to make room for
+    the rest of it: they leave the policy while the others are evicted, then come back with
+    their hits, in chain order."""
 
     def __init__(self, node_id: str, capacity: int, eviction: str, index: PrefixIndex, namespace: str) -> None:
         self.node_id, self.capacity, self.index, self.namespace = node_id, capacity, index, namespace
         self.policy = make_policy(eviction)
-        self.keys: set = set()
+        self.keys: dict = {}  # digest -> [depth, hits]
         self.evictions = 0
         index.add_node(node_id)
 
@@ -65,25 +68,39 @@ class SimNode:
         for d in digests:
             if d in keys:
                 touch(d)
+                keys[d][1] += 1
 
     def store(self, digests, first_depth: int = 0) -> None:
         """Store blocks (chain positions from ``first_depth``); evict down to capacity; report."""
         keys, policy = self.keys, self.policy
         events = []
-        for depth, d in enumerate(digests, first_depth):
+        chain = list(dict.fromkeys(digests))
+        for depth, d in enumerate(chain, first_depth):
             if d in keys:
                 policy.touch(d)
+                keys[d][1] += 1
             else:
-                keys.add(d)
+                keys[d] = [depth, 0]
                 policy.add(d, depth=depth)
                 events.append((STORED, DRAM, d))
-        while len(keys) > self.capacity:
-            victim = policy.pop_victim()
-            keys.discard(victim)
-            events.append((REMOVED, DRAM, victim))
-            self.evictions += 1
+        if len(keys) > self.capacity:
+            for d in chain:  # the request's blocks are not candidates while the others go
+                policy.discard(d)
+            self._evict(events)
+            for d in chain:
+                if d in keys:
+                    policy.add(d, depth=keys[d][0], hits=keys[d][1])
+            self._evict(events)  # a request longer than the cache keeps what fits
         if events:
             self.index.apply(self.node_id, [(self.namespace, events)])
+
+    def _evict(self, events: list) -> None:
+        keys, policy = self.keys, self.policy
+        while len(keys) > self.capacity and len(policy):
+            victim = policy.pop_victim()
+            del keys[victim]
+            events.append((REMOVED, DRAM, victim))
+            self.evictions += 1
 
 
 class SimPrefill:
