@@ -1,13 +1,18 @@
-"""A storage node in a process of its own, for bench.dataplane.
+"""A storage node in a process of its own, for bench.dataplane and bench.security_overhead.
 
     python -m bench.node_process --size 1MiB --count 64 --unix /tmp/dp.sock [--raw]
+        [--access FILE] [--tls-cert PEM --tls-key PEM]
 
 Builds a BlockStore with a prefaulted DRAM arena, stores ``count`` random
 blocks of ``size`` bytes under ``bench_keys(count)``, serves them with a
 DataPlaneServer (TCP and the Unix socket) and, with ``--raw``, also runs the
-raw-socket baseline server over the same number of blocks. Prints one JSON
-line ({"address", "unix_path", "raw_address"}) once it serves, then serves
-until its standard input closes. ``NodeProcess`` starts and stops one.
+raw-socket baseline server over the same number of blocks. With ``--access``
+and/or ``--tls-cert/--tls-key`` more DataPlaneServers serve the same store on
+TCP ports of their own: ``auth_address`` checks the access file's tokens,
+``tls_address`` is TLS without tokens, ``tls_auth_address`` both. Prints one
+JSON line ({"address", "unix_path", "raw_address", and those}) once it
+serves, then serves until its standard input closes (or its parent dies).
+``NodeProcess`` starts and stops one.
 
 A real deployment never shares the client's interpreter (or its GIL) with
 the node, so neither does the benchmark.
@@ -16,6 +21,7 @@ the node, so neither does the benchmark.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import subprocess
@@ -24,8 +30,11 @@ import threading
 
 import numpy as np
 
+from bench.common import die_with_parent
 from kvstore.node.config import StoreConfig
 from kvstore.node.store import BlockStore
+from kvstore.security.access import AccessList
+from kvstore.security.tls import ServerTLS
 from kvstore.transport.server import DataPlaneServer
 from kvstore.units import parse_size
 
@@ -58,10 +67,11 @@ class RawServer:
 class NodeProcess:
     """Runs ``python -m bench.node_process`` until ``close``; ``info`` is its JSON line."""
 
-    def __init__(self, size: int, count: int, unix_path: str, raw: bool = False):
+    def __init__(self, size: int, count: int, unix_path: str, raw: bool = False, extra: tuple = ()):
         args = [sys.executable, "-m", "bench.node_process", "--size", str(size), "--count", str(count),
-                "--unix", unix_path] + (["--raw"] if raw else [])
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                "--unix", unix_path] + (["--raw"] if raw else []) + list(extra)
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=die_with_parent)
         line = self.proc.stdout.readline()
         if not line:
             self.close()
@@ -90,17 +100,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--unix", required=True)
     parser.add_argument("--raw", action="store_true", help="also run the raw-socket baseline server")
+    parser.add_argument("--access", help="also serve on a port that checks this access file's tokens")
+    parser.add_argument("--tls-cert", help="also serve TLS (with --tls-key) on a port of its own")
+    parser.add_argument("--tls-key")
     args = parser.parse_args(argv)
     size = parse_size(args.size)
+    access = AccessList.load(args.access) if args.access else None
+    tls = ServerTLS.from_flags(args.tls_cert, args.tls_key, None)
+    context = None if tls is None else tls.server_context()
+    variants = {}  # the extra servers: their address's name in the JSON line -> (access, tls)
+    if access is not None:
+        variants["auth_address"] = (access, None)
+    if context is not None:
+        variants["tls_address"] = (None, context)
+        if access is not None:
+            variants["tls_auth_address"] = (access, context)
     config = StoreConfig(dram_capacity=args.count * size + 64 * MiB, max_block_bytes=size, prefault=True)
     rng = np.random.default_rng(1)
     with BlockStore(config) as store:
         for key in bench_keys(args.count):
             store.put(key, rng.integers(0, 256, size, dtype=np.uint8))
         raw = RawServer(rng.integers(0, 256, (args.count, size), dtype=np.uint8)) if args.raw else None
-        with DataPlaneServer(store, unix_path=args.unix) as server:
-            print(json.dumps({"address": server.address, "unix_path": server.unix_path,
-                              "raw_address": raw.address if raw else None}), flush=True)
+        with contextlib.ExitStack() as servers:
+            server = servers.enter_context(DataPlaneServer(store, unix_path=args.unix))
+            info = {"address": server.address, "unix_path": server.unix_path,
+                    "raw_address": raw.address if raw else None}
+            for name, (acl, tls_context) in variants.items():
+                info[name] = servers.enter_context(DataPlaneServer(store, access=acl, tls=tls_context)).address
+            print(json.dumps(info), flush=True)
             sys.stdin.read()
 
 

@@ -3,9 +3,10 @@
 The data plane moves bulk bytes with ``sendmsg`` (gather writes),
 ``recvmsg_into`` (scatter reads) and ``recv_into`` with MSG_WAITALL or
 MSG_DONTWAIT; an SSLSocket has none of these. ``TLSSocket`` gives them the
-same meaning on top of its record layer (one ``sendall`` per buffer,
-looped reads; MSG_DONTWAIT is read as a blocking call, which only turns a
-client's brief poll into a wait). Everything else goes to the SSLSocket.
+same meaning on top of its record layer (``sendall`` of each large
+buffer, small ones gathered into a record's worth first; looped reads;
+MSG_DONTWAIT is read as a blocking call, which only turns a client's
+brief poll into a wait). Everything else goes to the SSLSocket.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import socket
 import ssl
 
 _WAITALL = socket.MSG_WAITALL
+_RECORD = 16384  # the most plaintext one TLS record carries
 
 
 class TLSSocket:
@@ -48,11 +50,28 @@ class TLSSocket:
         return total, [], 0, None
 
     def sendmsg(self, buffers, *_) -> int:
-        total = 0
+        """Send every buffer (all of them: the count is their total). Buffers smaller than a
+        record travel together: they are gathered, topped up with the head of the next one,
+        into a record's worth of bytes (of a big buffer at most 16 KiB is copied), so a
+        reply's header and item table do not each cost a record, a write and the reader's
+        wake-up of their own."""
+        total, pending, send = 0, bytearray(), self._sock.sendall
         for buffer in buffers:
-            view = memoryview(buffer)
-            self._sock.sendall(view)
-            total += view.nbytes
+            view = memoryview(buffer).cast("B")
+            total += len(view)
+            if pending or len(view) < _RECORD:
+                take = _RECORD - len(pending)
+                pending += view[:take]
+                if len(pending) < _RECORD:
+                    continue
+                send(pending)
+                pending, view = bytearray(), view[take:]
+            if len(view) >= _RECORD:
+                send(view)
+            elif view:
+                pending += view
+        if pending:
+            send(pending)
         return total
 
     def sendall(self, data) -> None:
