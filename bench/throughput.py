@@ -46,12 +46,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)  # string defaults go through their type too: ops, transports are lists
-    settings = Settings(sizes=[parse_size(s) for s in parse_list(args.sizes)], ops=args.ops, transports=args.transports,
-                        clients=[int(c) for c in parse_list(args.clients)], bytes_per_client=parse_size(args.bytes),
-                        batch=args.batch, rounds=args.rounds, master=args.master,
-                        dram=parse_size(args.dram) if args.dram else None, redis=not args.no_redis,
-                        progress=not args.quiet)
+    p = parser()
+    args = p.parse_args(argv)  # string defaults go through their type too: ops, transports are lists
+    try:
+        settings = Settings(sizes=[parse_size(s) for s in parse_list(args.sizes)], ops=args.ops,
+                            transports=args.transports, clients=[int(c) for c in parse_list(args.clients)],
+                            bytes_per_client=parse_size(args.bytes), batch=args.batch, rounds=args.rounds,
+                            master=args.master, dram=parse_size(args.dram) if args.dram else None,
+                            redis=not args.no_redis, progress=not args.quiet)
+    except ValueError as exc:  # ConfigError from parse_size included
+        p.error(str(exc))
     if args.shm_dir:
         os.environ["KVSTORE_SHM_DIR"] = args.shm_dir  # read by the pool process the benchmark starts
     emit(run(settings), args.json, args.plot)

@@ -11,18 +11,53 @@ from kvstore.units import format_size, parse_size
 
 
 class Size(click.ParamType):
-    """A byte size with units (8GiB, 512MiB, 4096)."""
+    """A byte size with units (8GiB, 512MiB, 4096), at least ``minimum``."""
 
     name = "size"
 
+    def __init__(self, minimum: int = 0):
+        self.minimum = minimum
+
     def convert(self, value, param, ctx):
         try:
-            return parse_size(value)
+            size = parse_size(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+        if size < self.minimum:
+            self.fail(f"{value!r} is too small: at least {format_size(self.minimum)}", param, ctx)
+        return size
 
 
-SIZE = Size()
+SIZE = Size()  # 0 allowed (where it means "none")
+POSITIVE_SIZE = Size(minimum=1)
+PORT = click.IntRange(0, 65535)  # 0: any free port
+METRICS_PORT = click.IntRange(-1, 65535)  # -1: off
+POSITIVE_INT = click.IntRange(min=1)
+POSITIVE_FLOAT = click.FloatRange(min=0, min_open=True)
+
+
+class DataDir(click.ParamType):
+    """A directory this process can write in; created (0700) when missing, as the command would."""
+
+    name = "directory"
+
+    def convert(self, value, param, ctx):
+        import os
+        import tempfile
+
+        try:
+            os.makedirs(value, mode=0o700, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=value, prefix=".kvstore-probe-")
+            os.close(fd)
+            os.unlink(probe)
+        except FileExistsError:
+            self.fail(f"{value} is not a directory", param, ctx)
+        except OSError as exc:
+            self.fail(f"{value} is not a usable directory: {exc.strerror}", param, ctx)
+        return value
+
+
+DATA_DIR = DataDir()
 
 
 class ZmqEndpoint(click.ParamType):
@@ -62,12 +97,12 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--data-dir", default=None,
+@click.option("--data-dir", type=DATA_DIR, default=None,
               help="Where the SSD tier lives  [default: a temporary directory, removed afterwards]")
-@click.option("--dram", type=SIZE, default="64MiB", show_default=True, help="DRAM tier capacity.")
-@click.option("--ssd", type=SIZE, default="256MiB", show_default=True, help="SSD tier capacity.")
-@click.option("--blocks", type=int, default=96, show_default=True, help="How many blocks to store.")
-@click.option("--block-size", type=SIZE, default="1MiB", show_default=True, help="Bytes per block.")
+@click.option("--dram", type=POSITIVE_SIZE, default="64MiB", show_default=True, help="DRAM tier capacity.")
+@click.option("--ssd", type=POSITIVE_SIZE, default="256MiB", show_default=True, help="SSD tier capacity.")
+@click.option("--blocks", type=POSITIVE_INT, default=96, show_default=True, help="How many blocks to store.")
+@click.option("--block-size", type=POSITIVE_SIZE, default="1MiB", show_default=True, help="Bytes per block.")
 @click.option("--policy", type=click.Choice(["lru", "lfu", "length_aware"]), default="lru", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def demo(data_dir, dram, ssd, blocks, block_size, policy, as_json) -> None:
@@ -103,11 +138,11 @@ advertise_option = click.option(
 def store_options(f):
     """Options shared by `node` and `up`: the node's tiers and eviction."""
     options = [
-        click.option("--data-dir", default="./kvstore-data", show_default=True,
+        click.option("--data-dir", type=DATA_DIR, default="./kvstore-data", show_default=True,
                      help="Directory for the SSD tier and the node's id."),
-        click.option("--dram", type=SIZE, default="1GiB", show_default=True, help="DRAM tier capacity."),
+        click.option("--dram", type=POSITIVE_SIZE, default="1GiB", show_default=True, help="DRAM tier capacity."),
         click.option("--ssd", type=SIZE, default="8GiB", show_default=True, help="SSD tier capacity (0: no SSD tier)."),
-        click.option("--max-block", type=SIZE, default="16MiB", show_default=True, help="Largest block accepted."),
+        click.option("--max-block", type=POSITIVE_SIZE, default="16MiB", show_default=True, help="Largest block accepted."),
         click.option("--policy", type=click.Choice(["lru", "lfu", "length_aware"]), default="lru", show_default=True,
                      help="Eviction policy."),
         click.option("--shm-dir", envvar="KVSTORE_SHM_DIR", default=None, callback=_use_shm_dir, expose_value=False,
@@ -135,7 +170,7 @@ def connection_options(f):
                      help="Seconds a data-plane connection may send nothing (between requests or inside one) "
                           "before the node closes it, releasing its leases, reservations and grants (0: never). "
                           "A same-host connection holding leases taken with HOLD waits on between requests."),
-        click.option("--max-table", type=SIZE, default=format_size(defaults.max_table_bytes), show_default=True,
+        click.option("--max-table", type=POSITIVE_SIZE, default=format_size(defaults.max_table_bytes), show_default=True,
                      help="Largest item table one request may carry (FRAME_TOO_LARGE past it)."),
     ]
     for option in reversed(options):
@@ -151,8 +186,9 @@ def scheduling_options(f):
                      default="kvcache_centric", show_default=True, help="How the conductor picks prefill engines."),
         click.option("--admission", type=click.Choice(["off", "none", "early", "prediction"]), default="prediction",
                      show_default=True, help="Overload rejection: off, none (after prefill), early, prediction."),
-        click.option("--ttft-slo", type=float, default=float("inf"), help="TTFT SLO in seconds (default: none)."),
-        click.option("--tbt-slo", type=float, default=float("inf"), help="TBT SLO in seconds (default: none)."),
+        click.option("--ttft-slo", type=POSITIVE_FLOAT, default=float("inf"),
+                     help="TTFT SLO in seconds (default: none)."),
+        click.option("--tbt-slo", type=POSITIVE_FLOAT, default=float("inf"), help="TBT SLO in seconds (default: none)."),
         click.option("--request-ttl", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,
                      help="Seconds a scheduled request lives without a lifecycle report before it is forgotten."),
     ]
@@ -236,10 +272,12 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
 
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=int, default=7700, show_default=True, help="gRPC port (0: any free port).")
-@click.option("--metrics-port", type=int, default=7702, show_default=True, help="Prometheus port (0: any, -1: off).")
-@click.option("--ttl", type=float, default=5.0, show_default=True, help="Seconds without heartbeat before a node is dropped.")
-@click.option("--replicas", type=int, default=1, show_default=True, help="Copies of each block (best effort).")
+@click.option("--port", type=PORT, default=7700, show_default=True, help="gRPC port (0: any free port).")
+@click.option("--metrics-port", type=METRICS_PORT, default=7702, show_default=True,
+              help="Prometheus port (0: any, -1: off).")
+@click.option("--ttl", type=POSITIVE_FLOAT, default=5.0, show_default=True,
+              help="Seconds without heartbeat before a node is dropped.")
+@click.option("--replicas", type=POSITIVE_INT, default=1, show_default=True, help="Copies of each block (best effort).")
 @scheduling_options
 @kv_events_options
 @service_security_options
@@ -284,8 +322,9 @@ def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcac
 @main.command()
 @click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True, help="The master's host:port.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve blocks on.")
-@click.option("--port", type=int, default=7701, show_default=True, help="Data-plane TCP port (0: any free port).")
-@click.option("--metrics-port", type=int, default=7703, show_default=True, help="Prometheus port (0: any, -1: off).")
+@click.option("--port", type=PORT, default=7701, show_default=True, help="Data-plane TCP port (0: any free port).")
+@click.option("--metrics-port", type=METRICS_PORT, default=7703, show_default=True,
+              help="Prometheus port (0: any, -1: off).")
 @advertise_option
 @store_options
 @connection_options
@@ -343,9 +382,9 @@ def node_lines(storage) -> list[str]:
 
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=int, default=7700, show_default=True, help="Master gRPC port (0: any free port).")
-@click.option("--data-port", type=int, default=7701, show_default=True, help="Node data-plane port (0: any).")
-@click.option("--metrics-port", type=int, default=7702, show_default=True,
+@click.option("--port", type=PORT, default=7700, show_default=True, help="Master gRPC port (0: any free port).")
+@click.option("--data-port", type=PORT, default=7701, show_default=True, help="Node data-plane port (0: any).")
+@click.option("--metrics-port", type=click.IntRange(-1, 65534), default=7702, show_default=True,
               help="Master metrics port; the node's is the next one (0: any, -1: off).")
 @advertise_option
 @store_options
@@ -411,7 +450,7 @@ def status(master_address, as_json, **credentials) -> None:
 @main.command()
 @click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True, help="The master's host:port.")
 @click.option("--namespace", default="", help="Only this namespace (default: all).")
-@click.option("--limit", type=int, default=50, show_default=True, help="How many keys to list.")
+@click.option("--limit", type=POSITIVE_INT, default=50, show_default=True, help="How many keys to list.")
 @client_security_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def keys(master_address, namespace, limit, as_json, **credentials) -> None:
@@ -435,11 +474,11 @@ def keys(master_address, namespace, limit, as_json, **credentials) -> None:
                    "put_nowait: puts that do not wait for the node (put(wait=False)), timed until all are answered.")
 @click.option("--transports", default="tcp,shm", show_default=True, help="Data paths: tcp, shm.")
 @click.option("--clients", default="1,4", show_default=True, help="Client process counts, e.g. 1,2,4.")
-@click.option("--bytes", "bytes_per_client", type=SIZE, default="64MiB", show_default=True,
+@click.option("--bytes", "bytes_per_client", type=POSITIVE_SIZE, default="64MiB", show_default=True,
               help="Working set of each client at each size.")
-@click.option("--batch", type=int, default=64, show_default=True, help="Blocks per batch call and Redis pipeline.")
-@click.option("--rounds", type=int, default=5, show_default=True, help="Interleaved rounds (figures are medians).")
-@click.option("--dram", type=SIZE, default=None, help="DRAM of the pool started here (default: twice the working set).")
+@click.option("--batch", type=POSITIVE_INT, default=64, show_default=True, help="Blocks per batch call and Redis pipeline.")
+@click.option("--rounds", type=POSITIVE_INT, default=5, show_default=True, help="Interleaved rounds (figures are medians).")
+@click.option("--dram", type=POSITIVE_SIZE, default=None, help="DRAM of the pool started here (default: twice the working set).")
 @click.option("--no-redis", is_flag=True, help="Skip the Redis baselines (redis-py and redis-benchmark).")
 @click.option("--shm-dir", envvar="KVSTORE_SHM_DIR", default=None, callback=_use_shm_dir, expose_value=False,
               help="Directory (a tmpfs) for the arena of the pool started here [default: /dev/shm].")

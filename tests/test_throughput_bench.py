@@ -75,7 +75,13 @@ def test_cli_rejects_unknown_op():
 
 def test_ctrl_c_stops_the_benchmark_cleanly(tmp_path):
     """Ctrl-C reaches the whole process group: the pool, the client processes and the parent.
-    Sent once measuring has begun (a progress line), when every helper is up."""
+    Sent once measuring has begun (a progress line), when every helper is up.
+
+    Nothing here depends on how fast the machine is: the run is far too long to end before the
+    Ctrl-C (--rounds), the working set is small so a loaded machine gets to measuring soon, and
+    the waits are for events (the progress line, the exit) with wide limits. The benchmark gets
+    SIGINT's default disposition, as from a terminal, even when the tests run where SIGINT is
+    ignored (a shell's background job), which a child would otherwise inherit."""
     import os
     import signal
     import subprocess
@@ -84,9 +90,14 @@ def test_ctrl_c_stops_the_benchmark_cleanly(tmp_path):
 
     from tests.processes import wait_for
 
+    def as_from_a_terminal() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     env = dict(os.environ, KVSTORE_SHM_DIR=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "bench", "--sizes", "1MiB", "--no-redis"],
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "bench", "--sizes", "1MiB", "--no-redis",
+                             "--clients", "2", "--bytes", "8MiB", "--batch", "4", "--rounds", "100000"],
+                            start_new_session=True, preexec_fn=as_from_a_terminal,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     err = bytearray()
 
     def collect() -> None:
@@ -96,15 +107,26 @@ def test_ctrl_c_stops_the_benchmark_cleanly(tmp_path):
     reader = threading.Thread(target=collect)
     reader.start()
     try:
-        wait_for(lambda: b"clients" in err, timeout=60)
+        wait_for(lambda: b"clients" in err or proc.poll() is not None, timeout=600)
+        assert proc.poll() is None, err.decode(errors="replace")  # still measuring
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
+        proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        reader.join(10)
+        reader.join(30)
         proc.stdout.close()
         proc.stderr.close()
     assert proc.returncode != 0 and b"Traceback" not in err, err.decode(errors="replace")
     assert os.listdir(tmp_path) == []  # the pool's arena, block directory and socket all removed
+
+
+@pytest.mark.parametrize("args", [["--clients", "0"], ["--clients", "2,-1"], ["--rounds", "0"], ["--batch", "-1"],
+                                  ["--sizes", "0"], ["--bytes", "0"]])
+def test_settings_that_cannot_run_are_a_usage_error(args, capsys):
+    from bench import throughput
+
+    with pytest.raises(SystemExit) as exit_:
+        throughput.main(args + ["--no-redis", "--quiet", "--ops", "put", "--transports", "tcp"])
+    assert exit_.value.code == 2 and args[0][2:] in capsys.readouterr().err

@@ -44,6 +44,22 @@ class Settings:
     redis_benchmark: str = "redis-benchmark"
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        """ValueError, naming the setting, for one that cannot be run (no sizes, zero clients, ...)."""
+        for name in ("sizes", "ops", "transports", "clients"):
+            if not getattr(self, name):
+                raise ValueError(f"{name}: give at least one")
+        if any(s <= 0 for s in self.sizes):
+            raise ValueError(f"sizes: every value size must be positive (got {', '.join(map(str, self.sizes))})")
+        if any(c < 1 for c in self.clients):
+            raise ValueError(f"clients: every client count must be at least 1 "
+                             f"(got {', '.join(map(str, self.clients))})")
+        for name in ("bytes_per_client", "batch", "rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (got {getattr(self, name)})")
+        if self.dram is not None and self.dram < 1:
+            raise ValueError(f"dram must be positive (got {self.dram})")
+
     def count(self, size: int) -> int:
         """Blocks per client at ``size``: the working set, at least one batch."""
         return max(self.bytes_per_client // size, self.batch)
