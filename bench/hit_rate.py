@@ -20,7 +20,6 @@ is deterministic.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 from kvstore_client.errors import CapacityError
@@ -28,16 +27,15 @@ from kvstore.node.config import StoreConfig
 from kvstore.node.store import BlockStore
 from kvstore.policy import POLICIES
 from bench.common import emit, markdown_table
+from bench.trace import TraceError, read_trace
 
 CAPACITIES = ["1000", "10000", "50000", "100000", "inf"]
 
 
 def load_trace(path: str) -> list[dict]:
-    """Requests of a JSONL trace in timestamp order (stable for equal stamps)."""
-    with open(path) as f:
-        requests = [json.loads(line) for line in f if line.strip()]
-    requests.sort(key=lambda r: r["timestamp"])
-    return requests
+    """Requests of a JSONL trace in timestamp order (stable for equal stamps); TraceError names the
+    file and line of anything wrong (``bench.trace``)."""
+    return read_trace(path, ("timestamp", "hash_ids"))
 
 
 def replay(requests: list[dict], policy: str, capacity: int | None, block_bytes: int = 4096) -> dict:
@@ -53,7 +51,7 @@ def replay(requests: list[dict], policy: str, capacity: int | None, block_bytes:
     start = time.perf_counter()
     with BlockStore(config) as store:
         for request in requests:
-            keys = [("trace", h.to_bytes(16, "little")) for h in request["hash_ids"]]
+            keys = [("trace", h.to_bytes(16, "little", signed=h < 0)) for h in request["hash_ids"]]
             matched = store.match_prefix(keys)
             with store.request():
                 for key in keys[:matched]:
@@ -93,7 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--table", action="store_true", help="run every policy x capacity and print a table")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
-    requests = load_trace(args.trace)
+    try:
+        requests = load_trace(args.trace)
+    except TraceError as exc:
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
     if not args.table:
         result = replay(requests, args.policy, parse_capacity(args.capacity), args.block_bytes)
         emit(result, args.json, lambda r: "\n".join(f"{k}: {v}" for k, v in r.items()))

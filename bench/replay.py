@@ -72,7 +72,6 @@ output, ``none`` 98.0-98.5 M, early 94.6-96.0 M). Each replay takes 1-4 s.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import time
@@ -80,6 +79,7 @@ import time
 import numpy as np
 
 from bench.common import emit, markdown_table
+from bench.trace import TraceError, read_trace
 from kvstore.master.index import DRAM, STORED, PrefixIndex
 from kvstore.policy import POLICIES
 from kvstore.scheduler import ADMISSIONS, PREFILL_POLICIES, Conductor, CostModel, CostParams, Rejected, SimClock
@@ -91,12 +91,13 @@ DEFAULTS = dict(prefill=16, decode=16, cache_blocks=4000, speed=1.0, admission="
                 seed=0, sample_s=10.0, decode_kv_tokens=1_330_000, jitter_s=0.0)
 
 
+TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
 def load_requests(path: str, limit: int | None = None) -> list[dict]:
-    """Trace lines in timestamp order (stable for equal stamps), the first ``limit`` of them."""
-    with open(path) as f:
-        requests = [json.loads(line) for line in f if line.strip()]
-    requests.sort(key=lambda r: r["timestamp"])
-    return requests[:limit] if limit else requests
+    """Trace lines in timestamp order (stable for equal stamps), the first ``limit`` of them;
+    TraceError names the file and line of anything wrong (``bench.trace``)."""
+    return read_trace(path, TRACE_FIELDS, limit)
 
 
 def to_sim_requests(trace: list[dict], speed: float, jitter_s: float = 0.0, seed: int = 0) -> list[SimRequest]:
@@ -339,7 +340,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.trace:
         parser.error("--trace is required (except with --decision-latency)")
-    trace = load_requests(args.trace, args.limit)
+    try:
+        trace = load_requests(args.trace, args.limit)
+    except TraceError as exc:
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
     options = {k: getattr(args, k) for k in DEFAULTS if k != "admission"}
     if args.table == "policies":
         result = policy_table(trace, admission=args.admission, **options)
