@@ -61,6 +61,129 @@ def test_arena_of_a_killed_process_is_reaped():
         proc.stdout.close()
 
 
+OWNER = """
+import os, sys, time
+from kvstore.tiers.arena import SharedArena
+arena = SharedArena.create(1 << 20, name=sys.argv[1] or None)
+open(arena.path + ".dir", "w").close()  # its block directory, as a node's DRAM tier makes one
+print(arena.path, flush=True)
+sys.stdin.read()  # until the test closes it; then die as if killed: no clean-up, the kernel drops the lock
+os._exit(1)
+"""
+
+
+def invisible_pid() -> int:
+    """A pid no process here can have (past pid_max): what a creator in another PID namespace looks like."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        return int(f.read()) + 1
+
+
+def spawn_owner(name: str = "", prefix: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([*prefix, sys.executable, "-c", OWNER, name], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End the owner abruptly and wait for it (and for whatever runs it: unshare waits for its child)."""
+    proc.stdin.close()
+    proc.wait(timeout=60)
+    proc.stdout.close()
+
+
+def test_a_live_arena_whose_owner_pid_is_not_visible_here_is_kept():
+    """Containers sharing /dev/shm: the name's pid means nothing here; the creator's lock shows it lives."""
+    proc, path = spawn_owner(f"kvstore-{invisible_pid()}-{os.urandom(4).hex()}")
+    try:
+        assert os.path.exists(path)
+        removed = reap_stale_arenas()
+        assert os.path.basename(path) not in removed and os.path.basename(path) + ".dir" not in removed
+        assert os.path.exists(path) and os.path.exists(path + ".dir")
+        stop(proc)  # the kernel lets go of its lock: now provably stale
+        assert set(reap_stale_arenas()) >= {os.path.basename(path), os.path.basename(path) + ".dir"}
+        assert not os.path.exists(path) and not os.path.exists(path + ".dir")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            stop(proc)
+        for leftover in (path, path + ".dir"):
+            if leftover and os.path.exists(leftover):
+                os.unlink(leftover)
+
+
+def test_an_arena_nobody_holds_is_reaped():
+    """No lock held, and the pid in the name is no process here (dead, or of another namespace): reaped."""
+    stale = os.path.join(shm_dir(), f"kvstore-{invisible_pid()}-{os.urandom(4).hex()}")
+    orphan = os.path.join(shm_dir(), f"kvstore-{invisible_pid()}-{os.urandom(4).hex()}.dir")  # no arena left
+    for path in (stale, stale + ".dir", orphan):
+        open(path, "w").close()
+    removed = reap_stale_arenas()
+    assert {os.path.basename(p) for p in (stale, stale + ".dir", orphan)} <= set(removed)
+    assert not any(os.path.exists(p) for p in (stale, stale + ".dir", orphan))
+
+
+def test_an_unlocked_arena_named_for_a_live_pid_here_is_kept():
+    """What a kvstore from before arenas were locked leaves while it runs: not provably stale."""
+    legacy = os.path.join(shm_dir(), f"kvstore-{os.getpid()}-{os.urandom(4).hex()}")
+    open(legacy, "w").close()
+    try:
+        assert os.path.basename(legacy) not in reap_stale_arenas() and os.path.exists(legacy)
+    finally:
+        os.unlink(legacy)
+
+
+def _unshare_pid() -> list[str] | None:
+    prefix = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--"]
+    try:
+        ok = subprocess.run(prefix + ["true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return prefix if ok else None
+
+
+def test_an_arena_made_in_another_pid_namespace_is_kept_while_its_creator_lives():
+    """The real thing where this machine allows it (root, util-linux): the creator runs in a PID namespace
+    of its own, with a pid that names no process here."""
+    prefix = _unshare_pid()
+    if prefix is None:
+        pytest.skip("cannot make a PID namespace here (unshare)")
+    pid = next(p for p in range(invisible_pid() // 2, invisible_pid()) if not os.path.exists(f"/proc/{p}"))
+    shell = ["sh", "-c", f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid; "$@"', "sh"]  # the next fork: pid
+    proc, path = spawn_owner("", prefix + shell)
+    try:
+        owner = int(os.path.basename(path).split("-")[1])
+        assert not os.path.exists(f"/proc/{owner}"), "the pid namespace's pid is visible here"
+        assert os.path.basename(path) not in reap_stale_arenas()
+        assert os.path.exists(path) and os.path.exists(path + ".dir")
+        stop(proc)
+        assert os.path.basename(path) in reap_stale_arenas() and not os.path.exists(path + ".dir")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            stop(proc)
+        for leftover in (path, path + ".dir"):
+            if leftover and os.path.exists(leftover):
+                os.unlink(leftover)
+
+
+def test_a_new_arena_is_locked_from_the_moment_its_name_appears(tmp_path, monkeypatch):
+    import fcntl
+
+    monkeypatch.setenv("KVSTORE_SHM_DIR", str(tmp_path))
+    arena = SharedArena.create(1 << 20)
+    try:
+        fd = os.open(arena.path, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        assert os.listdir(tmp_path) == [arena.name]  # no temporary name left behind
+    finally:
+        arena.close()
+    assert os.listdir(tmp_path) == []
+
+
 def test_arena_larger_than_shared_memory_is_a_clear_error():
     import pytest
 

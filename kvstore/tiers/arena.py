@@ -4,13 +4,21 @@ The region is a file under /dev/shm (or $KVSTORE_SHM_DIR), mapped once and
 kept for the life of the tier, so a client on the same host can map the same
 file by name and copy blocks without a socket in the data path. The creator
 unlinks it on close, or at interpreter exit if it was never closed;
-``attach`` opens an existing one. Names carry the creator's pid, so arenas
-left behind by a process that was killed are removed by the next ``create``.
+``attach`` opens an existing one.
+
+The creator holds an exclusive ``flock`` on the arena file for as long as it
+lives (from before the name appears); the kernel drops it when the process
+dies, however it dies. So an arena left behind by a killed process is one
+whose lock is free, and the next ``create`` removes it (``reap_stale_arenas``),
+with its block directory. That holds across PID namespaces: containers that
+share /dev/shm see each other's locks, never each other's PIDs, so the pid
+in the name (``kvstore-<pid>-<hex>``) says only who made it.
 The file is 0600 (``kvstore.tiers.private``): only the node's user maps it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
@@ -72,14 +80,16 @@ class SharedArena:
     writes which range.
     """
 
-    def __init__(self, path: str, size: int, mapping: tuple[mmap.mmap, memoryview], owner: bool, pages: str = ""):
+    def __init__(self, path: str, size: int, mapping: tuple[mmap.mmap, memoryview], owner: bool, pages: str = "",
+                 lock_fd: int | None = None):
         self.path = path
         self.size = size
         self.name = os.path.basename(path)
         self.pages = pages
         self._mmap, self.view = mapping
         self._owner = owner
-        self._unlink_at_exit = weakref.finalize(self, unlink_quietly, path) if owner else None
+        # the creator's: remove the name, then let go of the lock that says the arena is in use
+        self._unlink_at_exit = weakref.finalize(self, _remove_and_unlock, path, lock_fd) if owner else None
 
     @classmethod
     def create(cls, size: int, name: str | None = None, prefault: bool = False,
@@ -94,18 +104,20 @@ class SharedArena:
         _check_room(size, directory)
         name = name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
         path = os.path.join(directory, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        lock_fd = _create_locked(path)
         try:
-            os.ftruncate(fd, size)
-            pages = _choose_pages(fd, size, directory, huge_pages)
-            _reserve(fd, size, path)
-            mapping = map_shared(fd, size, populate=prefault)
+            fd = os.open(path, os.O_RDWR)  # mapped by its own name (what /proc/PID/maps then shows)
+            try:
+                os.ftruncate(fd, size)
+                pages = _choose_pages(fd, size, directory, huge_pages)
+                _reserve(fd, size, path)
+                mapping = map_shared(fd, size, populate=prefault)
+            finally:
+                os.close(fd)
         except BaseException:
-            os.unlink(path)
+            _remove_and_unlock(path, lock_fd)
             raise
-        finally:
-            os.close(fd)
-        return cls(path, size, mapping, owner=True, pages=pages)
+        return cls(path, size, mapping, owner=True, pages=pages, lock_fd=lock_fd)
 
     @classmethod
     def attach(cls, name: str) -> "SharedArena":
@@ -131,6 +143,33 @@ class SharedArena:
         self._mmap = None
         if self._unlink_at_exit is not None:
             self._unlink_at_exit()
+
+
+def _create_locked(path: str) -> int:
+    """A new file at ``path`` (FileExistsError if taken), open and exclusively flock'ed before the
+    name appears: made under a temporary name, locked, then linked into place, so no reaper ever
+    finds it unlocked while its creator lives. The lock lasts as long as the descriptor."""
+    directory, name = os.path.split(path)
+    temporary = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.new")
+    fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a name only we know: free
+        except OSError:  # a file system without flock: reapers cannot lock it either, so they keep it
+            pass
+        os.link(temporary, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        unlink_quietly(temporary)
+    return fd
+
+
+def _remove_and_unlock(path: str, fd: int | None) -> None:
+    unlink_quietly(path)
+    if fd is not None:
+        os.close(fd)
 
 
 def _choose_pages(fd: int, size: int, directory: str, huge_pages: bool) -> str:
@@ -196,6 +235,7 @@ def unlink_quietly(path: str) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a live process in this PID namespace (a pid of another one may not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -206,12 +246,56 @@ def _pid_alive(pid: int) -> bool:
 
 
 def reap_stale_arenas() -> list[str]:
-    """Remove default-named arenas (and their block directories) whose creating process no longer exists."""
+    """Remove default-named arenas whose creator is gone, provably: nothing holds the arena's lock
+    (``SharedArena.create``), whatever PID namespace the creator ran in; and the block directories
+    of those, and of arenas no longer there. The names removed.
+
+    An arena named for a pid that lives here is kept even with its lock free: it may come from a
+    kvstore that did not lock arenas yet (so is still in use), or the pid has been reused (a leak
+    until that process ends, as before). A free lock alone is proof only for arenas made since."""
     removed = []
     directory = shm_dir()
-    for entry in os.listdir(directory):
+    entries = sorted(os.listdir(directory), key=lambda e: e.endswith(".dir"))  # arenas first
+    for entry in entries:
         match = _ARENA_NAME.match(entry)
-        if match and not _pid_alive(int(match.group(1))):
-            unlink_quietly(os.path.join(directory, entry))
+        if match is None:
+            continue
+        path = os.path.join(directory, entry)
+        arena = path[:-len(".dir")] if match.group(2) else path
+        if _pid_alive(int(match.group(1))):
+            continue  # perhaps made before arenas were locked, by a process that lives: keep
+        if _remove_if_unlocked(arena, also=path if arena != path else None):
             removed.append(entry)
     return removed
+
+
+def _remove_if_unlocked(arena: str, also: str | None = None) -> bool:
+    """Remove ``also`` (``arena`` itself when None) if nothing holds the arena's lock, or (for
+    ``also``) the arena is gone already; whether it removed it."""
+    try:
+        fd = os.open(arena, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:  # the arena went first (or was reaped just now): its directory is an orphan
+        return also is not None and _unlink_if_present(also)
+    except OSError:  # not ours to open: keep
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held (BlockingIOError): its creator lives; or no flock here: cannot tell, keep
+            return False
+        try:
+            if not os.path.samestat(os.fstat(fd), os.stat(arena)):
+                return False  # a new arena by that name meanwhile: not the file we locked
+        except FileNotFoundError:
+            pass  # removed meanwhile
+        return _unlink_if_present(also or arena)
+    finally:
+        os.close(fd)  # and with it our lock
+
+
+def _unlink_if_present(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
