@@ -18,7 +18,8 @@ from kvstore_client.keys import BlockKey
 
 
 class AsyncClient:
-    """Async twin of Client; same arguments, same results, awaitable."""
+    """Async twin of Client; same arguments, same results, awaitable (and the same errors:
+    every call after ``close()`` raises ClientClosed)."""
 
     def __init__(self, master: str, **options):
         self._client = Client(master, **options)

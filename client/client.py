@@ -5,13 +5,15 @@ gRPC; block bytes go straight to storage nodes over the data plane: shared
 memory when the node is on this host, TCP otherwise.
 
 Thread-safe: one Client may serve many threads (each thread gets its own
-data-plane connections). ``AsyncClient`` offers the same calls to asyncio code.
+data-plane connections, closed when the thread ends or the client closes).
+``AsyncClient`` offers the same calls to asyncio code.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -22,6 +24,7 @@ from kvstore_client.connect import check_data_path, open_connection
 from kvstore_client.credentials import Credentials
 from kvstore_client.errors import (
     ChecksumMismatch,
+    ClientClosed,
     InvalidValue,
     KVStoreError,
     Overloaded,
@@ -79,6 +82,9 @@ class Client:
     none for a pool without one). ``tls_ca``: the CA of a pool that speaks
     TLS (default: KVSTORE_TLS_CA); ``tls_cert`` and ``tls_key``: this
     client's certificate, for a pool that wants mutual TLS.
+
+    ``close()`` (or the end of a ``with`` block) closes its connections; any
+    call after that raises ClientClosed.
     """
 
     def __init__(self, master: str, *, prefer_shm: bool = True, location_ttl: float = 2.0,
@@ -102,9 +108,10 @@ class Client:
             lambda namespace, nbytes: self._stub.Place.future(self._place_request(namespace, nbytes),
                                                               timeout=self.timeout),
             self._nodes.update, placement_ttl, placement_bytes)
-        self._lock = threading.Lock()  # guards _all_connections
-        self._local = threading.local()
-        self._all_connections: list = []
+        self._lock = threading.Lock()  # guards _threads and _closed
+        self._local = threading.local()  # .state (_ThreadConns) and its .conns and .put_failures
+        self._threads: weakref.WeakSet[_ThreadConns] = weakref.WeakSet()  # of the threads alive that used it
+        self._closed = False
         self.scheduling = SchedulingCalls(self._channel, self._call)
 
     # -- writes -------------------------------------------------------------------------
@@ -116,14 +123,23 @@ class Client:
                   wait: bool = True) -> None:
         """Store blocks; the master places them (local node first, else the one with most free space).
 
-        Raises the typed error of the first block the primary node refused;
-        replicas are best effort. With ``wait=False`` it returns once the
-        values are on their way (copied into the node's arena, or handed to
-        the socket): the caller may reuse its buffers at once, and the next
-        put overlaps the node's work on this one. This thread's next read
-        from that node waits for them first; ``wait_for_puts`` waits for all
-        of them and raises PutFailed for those not stored.
+        A primary node may store some blocks of a batch and refuse others
+        (CapacityError: it ran out of room): the others are still put (each
+        namespace's blocks go to their own placement), then the typed error
+        of the first block refused is raised, carrying ``stored`` (the keys
+        stored) and ``failures`` ((key, node id, error) for every key not
+        stored, PutFailed's shape: retry those). An error that stops the
+        batch (the primary unreachable, no placement) carries them too, the
+        keys not known to be stored in ``failures``. Replicas are best
+        effort, of the blocks their primary stored. With ``wait=False`` it
+        returns once the values are on their way (copied into the node's
+        arena, or handed to the socket): the caller may reuse its buffers at
+        once, and the next put overlaps the node's work on this one. This
+        thread's next read from that node waits for them first;
+        ``wait_for_puts`` waits for all of them and raises PutFailed for
+        those not stored.
         """
+        self._check_open()
         keys = [check_key(k) for k in keys]
         if len(values) != len(keys):
             raise InvalidValue(f"{len(keys)} keys but {len(values)} values")
@@ -131,13 +147,30 @@ class Client:
             return
         depths = list(depths) if depths is not None else [0] * len(keys)
         views = [byte_view(v) for v in values]
-        for namespace, idx in _group_by_namespace(keys).items():
-            nodes = self._placements.nodes_for(namespace, sum(len(views[i]) for i in idx))
-            items = [(keys[i], views[i], depths[i]) for i in idx]
-            primary, *replicas = nodes
-            refused = [e for e in self._on_node(primary, lambda c: c.put_many(items, wait)) if e is not None]
+        groups = list(_group_by_namespace(keys).items())
+        stored: list[BlockKey] = []
+        failures: list[tuple] = []  # (key, node id, error) of each block not stored
+        first: KVStoreError | None = None  # the first block's refusal
+        for g, (namespace, idx) in enumerate(groups):
+            node_id = ""
+            try:
+                nodes = self._placements.nodes_for(namespace, sum(len(views[i]) for i in idx))
+                items = [(keys[i], views[i], depths[i]) for i in idx]
+                primary, *replicas = nodes
+                node_id = primary.node_id
+                results = self._on_node(primary, lambda c: c.put_many(items, wait))
+            except KVStoreError as exc:  # nothing of this group, or the next ones, is known stored
+                failures.extend((keys[i], node_id, exc) for _, rest in groups[g:] for i in rest)
+                raise _put_stopped(exc, stored, failures, len(keys))
+            refused = [(i, e) for i, e in zip(idx, results) if e is not None]
             if refused:
-                raise refused[0]
+                first = first or refused[0][1]
+                failures.extend((keys[i], node_id, e) for i, e in refused)
+                idx = [i for i, e in zip(idx, results) if e is None]
+                items = [(keys[i], views[i], depths[i]) for i in idx]
+                if not idx:
+                    continue
+            stored.extend(keys[i] for i in idx)
             stored_on = [primary.node_id]
             for node in replicas:
                 try:
@@ -150,46 +183,56 @@ class Client:
                     stored_on.append(node.node_id)
             located = tuple((n, pb.DRAM) for n in stored_on)
             self._locations.remember((keys[i], located) for i in idx)
+        if first is not None:
+            raise _put_stopped(first, stored, failures, len(keys))
 
     def wait_for_puts(self) -> None:
         """Wait until the nodes have answered every put this thread sent with ``wait=False``;
         raise PutFailed (``.failures``: key, node id, error) if any was not stored, replica
         copies included. Blocks not stored read as misses."""
+        self._check_open()
         for node_id, conn in list(self._local.__dict__.get("conns", {}).items()):
             try:
                 conn.settle()
             except KVStoreError:
                 self._drop_conn(node_id)  # keeps what its puts failed to store
             self._take_put_failures(node_id, conn)
-        failures = self._local.__dict__.pop("put_failures", [])
-        if failures:
+        pending = self._local.__dict__.get("put_failures")
+        if pending:
+            failures = list(pending)
+            pending.clear()
             self._locations.forget(key for key, _, _ in failures)
             raise PutFailed(failures)
 
     def _take_put_failures(self, node_id: str, conn) -> None:
         """Move what ``conn``'s puts not waited for failed to store into this thread's list."""
         if conn.put_failures:
-            failures = self._local.__dict__.setdefault("put_failures", [])
-            failures.extend((key, node_id, error) for key, error in conn.put_failures)
+            self._thread().put_failures.extend((key, node_id, error) for key, error in conn.put_failures)
             conn.put_failures.clear()
 
     # -- reads ----------------------------------------------------------------------------
     def get(self, key: BlockKey) -> bytes | None:
         """The block's bytes, or None when no node holds it."""
+        if self._closed:
+            self._check_open()
         key = check_key(key)
         value = self._read_local_one(key, None)
         return value if value is not None else self._read([key], None, local_tried=True)[0]
 
     def batch_get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        self._check_open()
         return self._read([check_key(k) for k in keys], None)
 
     def get_into(self, key: BlockKey, buffer) -> int | None:
         """Copy the block into ``buffer``; its size, or None when no node holds it."""
+        if self._closed:
+            self._check_open()
         key, view = check_key(key), byte_view(buffer, writable=True)
         size = self._read_local_one(key, view)
         return size if size is not None else self._read([key], [view], local_tried=True)[0]
 
     def batch_get_into(self, keys: Sequence[BlockKey], buffers: Sequence) -> list[int | None]:
+        self._check_open()
         if len(buffers) != len(keys):
             raise InvalidValue(f"{len(keys)} keys but {len(buffers)} buffers")
         return self._read([check_key(k) for k in keys], [byte_view(b, writable=True) for b in buffers])
@@ -300,12 +343,14 @@ class Client:
 
     def batch_exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Whether each key is in the master's index (asked afresh) or was just stored by this client."""
+        self._check_open()
         keys = [check_key(k) for k in keys]
         indexed = self._locate(keys, use_cache=False)
         return [bool(r) or bool(c) for r, c in zip(indexed, self._locations.lookup(keys))]
 
     def match_prefix(self, keys: Sequence[BlockKey]) -> PrefixMatch:
         """How many leading blocks of a prefix chain the pool holds, overall and per node."""
+        self._check_open()
         keys = [check_key(k) for k in keys]
         if not keys:
             return PrefixMatch(0)
@@ -318,16 +363,35 @@ class Client:
                                      self._locations.lookup(keys))
 
     def remove(self, key: BlockKey) -> bool:
-        """Remove the block from every node holding it; False if none did."""
+        """Remove the block from every node holding it that can be reached.
+
+        Returns True if a node reached held the block (and dropped it), False if none
+        did, or none holds it. A holder that cannot be reached (a node that just died) is
+        skipped: a dead node's copies leave the index when its lease at the master lapses
+        (one that comes back with its SSD tier in time may still hold its copy). Raises
+        ServiceUnavailable when the block has holders but not one could be reached (what
+        is left of it is not known), or when the master cannot be asked where it is.
+        """
+        self._check_open()
         key = check_key(key)
         removed = False
         holders = {node_id for node_id, _ in self._locate([key], use_cache=False)[0]}
         holders.update(node_id for node_id, _ in self._locations.lookup([key])[0] or ())  # stored just now
-        for node_id in holders:
+        unreachable: dict[str, object] = {}
+        for node_id in sorted(holders):
             node = self._nodes.get(node_id)
-            if node is not None:
+            if node is None:
+                unreachable[node_id] = "address not known"
+                continue
+            try:
                 removed |= bool(self._on_node(node, lambda c: c.remove_many([key]))[0])
+            except OSError as exc:  # TransportError included: dead, or gone meanwhile
+                self._nodes.unreachable(node_id, exc, "skipped by remove")
+                unreachable[node_id] = exc
         self._locations.forget([key])
+        if holders and len(unreachable) == len(holders):
+            detail = "; ".join(f"{node_id}: {why}" for node_id, why in unreachable.items())
+            raise ServiceUnavailable(f"no node holding the block could be reached to remove it ({detail})")
         return removed
 
     # -- token-level helpers ---------------------------------------------------------------------
@@ -338,6 +402,7 @@ class Client:
 
         Returns how many blocks were written (those after the longest cached prefix).
         """
+        self._check_open()
         keys = hasher.keys(tokens)
         if len(blocks) < len(keys):
             raise InvalidValue(f"{len(keys)} full blocks but {len(blocks)} values")
@@ -349,6 +414,7 @@ class Client:
     def load_prefix(self, hasher: BlockHasher, tokens: Sequence[int], buffers: Sequence) -> int:
         """Load the longest cached prefix of ``tokens`` into ``buffers`` (one per block);
         returns how many tokens are covered by the blocks loaded."""
+        self._check_open()
         keys = hasher.keys(tokens)
         hit = self.match_prefix(keys).longest
         got = self.batch_get_into(keys[:hit], list(buffers[:hit]))
@@ -361,6 +427,7 @@ class Client:
         """Ask the conductor which prefill and decode engines run a request whose prompt has
         the block ``keys``; raises Overloaded (with ``.reason``) when it rejects the request.
         Engines register and report through ``client.scheduling``."""
+        self._check_open()
         keys = [check_key(k) for k in keys]
         return self.scheduling.schedule(keys, input_length, output_length, request_id)
 
@@ -373,9 +440,17 @@ class Client:
                                                                    start_after=start_after))
 
     # -- internals -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"this client of {self.master} is closed")
+
     def _call(self, method, request):
+        self._check_open()
         try:
             return method(request, timeout=self.timeout)
+        except ValueError:  # "Cannot invoke RPC on closed channel!": closed meanwhile
+            self._check_open()
+            raise
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidValue(exc.details()) from None
@@ -422,16 +497,44 @@ class Client:
     def _place_request(self, namespace: str, nbytes: int) -> pb.PlaceRequest:
         return pb.PlaceRequest(namespace=namespace, bytes=nbytes, replicas=self.replicas, machine_id=machine_id())
 
+    def _thread(self) -> "_ThreadConns":
+        """This thread's connections and put failures, made on first use. They live in the
+        thread's slot of ``_local``, so they go when the thread ends: a finalizer then closes
+        the connections; ``_threads`` knows them only weakly (for ``close``)."""
+        state = self._local.__dict__.get("state")
+        if state is None:
+            state = _ThreadConns()
+            self._local.state, self._local.conns, self._local.put_failures = state, state.conns, state.put_failures
+            weakref.finalize(state, _close_connections, state.conns, state.put_failures).atexit = False
+            with self._lock:
+                self._threads.add(state)
+        return state
+
     def _conn(self, node: pb.NodeInfo):
-        conns = self._local.__dict__.setdefault("conns", {})
+        conns = self._local.__dict__.get("conns")
+        if conns is None:
+            conns = self._thread().conns
         conn = conns.get(node.node_id)
         if conn is None:
+            self._check_open()
             conn = open_connection(node, prefer_shm=self.prefer_shm, verify=self.verify, data_path=self.data_path,
                                    credentials=self.credentials)
-            conns[node.node_id] = conn
             with self._lock:
-                self._all_connections.append(conn)
+                closed = self._closed
+                if not closed:
+                    conns[node.node_id] = conn
+            if closed:  # closed while dialling: nothing may be left open
+                conn.close()
+                self._check_open()
         return conn
+
+    @property
+    def _all_connections(self) -> list:
+        """Every data-plane connection this client holds: at most one per node for each live
+        thread that used it (one found dead is dropped and closed when it is redialled)."""
+        with self._lock:
+            threads = list(self._threads)
+        return [conn for state in threads for conn in list(state.conns.values())]
 
     def _drop_conn(self, node_id: str) -> None:
         conn = self._local.__dict__.get("conns", {}).pop(node_id, None)
@@ -444,16 +547,16 @@ class Client:
         self._placements.clear()  # may name the node just dropped
 
     def close(self) -> None:
-        """Close every data-plane connection and the master channel."""
+        """Close every data-plane connection and the master channel; later calls raise
+        ClientClosed (``close`` itself does nothing the second time)."""
         with self._lock:
-            conns, self._all_connections = self._all_connections, []
-        for conn in conns:
-            try:
-                conn.close()
-            except OSError:
-                pass
-            for key, error in conn.put_failures:
-                log.warning("a put sent without waiting was not stored (%r): %s", key, error)
+            if self._closed:
+                return
+            self._closed = True
+            threads = list(self._threads)
+        for state in threads:
+            _close_connections(state.conns, state.put_failures)
+        self._placements.clear()
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -461,6 +564,47 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _ThreadConns:
+    """One thread's data-plane connections (node id -> connection) and what its puts sent
+    without waiting failed to store ((key, node id, error), for ``wait_for_puts``)."""
+
+    __slots__ = ("conns", "put_failures", "__weakref__")
+
+    def __init__(self) -> None:
+        self.conns: dict = {}
+        self.put_failures: list = []
+
+
+def _close_connections(conns: dict, put_failures: list) -> None:
+    """Close a thread's connections (its client closed, or the thread ended) and log what its
+    puts sent without waiting failed to store: nobody is left to call ``wait_for_puts``."""
+    while conns:
+        try:
+            node_id, conn = conns.popitem()
+        except KeyError:  # emptied meanwhile by another closer
+            break
+        try:
+            conn.close()
+        except OSError:
+            pass
+        put_failures.extend((key, node_id, error) for key, error in conn.put_failures)
+        conn.put_failures.clear()
+    while put_failures:
+        key, node_id, error = put_failures.pop(0)
+        log.warning("a put sent without waiting was not stored (%r on %s): %s", key, node_id, error)
+
+
+def _put_stopped(error: KVStoreError, stored: list, failures: list, total: int) -> KVStoreError:
+    """``error``, the one a batch put raises, with ``stored`` (the keys stored) and ``failures``
+    ((key, node id, error) of each key not stored) on it, and its message saying how many."""
+    error.stored = list(stored)
+    error.failures = list(failures)
+    if total > 1:
+        error.args = (f"{error}: batch_put stored {len(stored)} of {total} blocks "
+                      f"(.stored and .failures say which)",)
+    return error
 
 
 def with_cached_locations(match: PrefixMatch, cached: list) -> PrefixMatch:

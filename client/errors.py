@@ -37,7 +37,11 @@ class ConfigError(KVStoreError, ValueError):
 
 
 class CapacityError(KVStoreError):
-    """No space could be made for a block: everything evictable is pinned or being read."""
+    """No space could be made for a block: everything evictable is pinned or being read.
+
+    Raised by ``Client.batch_put`` (like any error it raises once blocks were sent) it
+    carries ``stored``, the keys stored, and ``failures``, (key, node_id, error) for each
+    key not stored (PutFailed's shape): retry those."""
 
 
 class ReservationError(KVStoreError):
@@ -107,3 +111,7 @@ class PutFailed(KVStoreError):
         super().__init__(f"{len(failures)} put(s) sent without waiting were not stored; "
                          f"the first, {key!r} on node {node_id}: {error}")
         self.failures = failures
+
+
+class ClientClosed(KVStoreError):
+    """A call on a Client (or AsyncClient) after its ``close()``: open a new one."""

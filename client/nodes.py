@@ -52,14 +52,16 @@ class KnownNodes:
         self.update(live_nodes())
         return self._infos.get(node.node_id, node)
 
-    def unreachable(self, node_id: str, error: Exception) -> None:
-        """Log that ``node_id`` could not be reached (a warning at most every WARN_EVERY_S)."""
+    def unreachable(self, node_id: str, error: Exception,
+                    consequence: str = "reading other replicas, or a miss") -> None:
+        """Log that ``node_id`` could not be reached, and what the call did about it (a warning
+        at most every WARN_EVERY_S)."""
         now = time.monotonic()
         with self._lock:
             loud = now - self._warned.get(node_id, -WARN_EVERY_S) >= WARN_EVERY_S
             if loud:
                 self._warned[node_id] = now
         if loud:
-            log.warning("node %s unreachable (%s): reading other replicas, or a miss", node_id, error)
+            log.warning("node %s unreachable (%s): %s", node_id, error, consequence)
         else:
             log.debug("node %s unreachable (%s)", node_id, error)
