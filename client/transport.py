@@ -66,7 +66,6 @@ from kvstore_client.wire import (
     MAGIC,
     PIECEWISE_FROM,
     PUT_ENTRY,
-    REPLY_SPIN,
     U64,
     VERSION,
     FrameReader,
@@ -77,6 +76,7 @@ from kvstore_client.wire import (
     pack_header,
     pull_entry,
     put_entry,
+    reply_spin,
     send_buffers,
     unpack_header,
 )
@@ -182,7 +182,7 @@ class DataPlaneConnection:
     def __init__(self, sock: socket.socket, *, verify: bool = True, credentials: Credentials = NO_CREDENTIALS):
         self.verify = verify  # check each block's XXH3-64 against the node's checksum
         self._sock = sock
-        self._reader = FrameReader(sock, spin=REPLY_SPIN)
+        self._reader = FrameReader(sock, spin=reply_spin())
         self._request_id = 0
         self._dead: str | None = None
         self._finished: list[int] = []  # lease ids done with (shared memory): released with the next request

@@ -20,6 +20,7 @@ from functools import lru_cache
 from kvstore_client.errors import (
     CapacityError,
     ChecksumMismatch,
+    ConfigError,
     InvalidKey,
     InvalidValue,
     KVStoreError,
@@ -252,15 +253,25 @@ def parse_table(body, count: int, fixed: struct.Struct = KEY_HEAD) -> list[tuple
 # -- streams ----------------------------------------------------------------------------
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _FILL = 16384  # bytes asked for when refilling: small, so little payload is copied through the buffer
-# A client waiting for a reply that carries no block polls its socket for up to REPLY_SPIN
+# A client waiting for a reply that carries no block polls its socket for up to reply_spin()
 # seconds (yielding the CPU between polls) before it sleeps in recv: where an idle CPU halts at
 # once (VMs without guest halt-polling, like the one the README's figures come from) a sleep and
 # the wake-up the reply then needs cost 20-40 microseconds on each side, as much as the node's
 # work on a put. A reply later than that makes the next SPIN_BACKOFF waits sleep at once, so a
 # loaded node or CPU is not polled for nothing. Replies with blocks (GET) are not polled for:
 # their bytes keep coming for longer, and polling for the first of them cost 40 microseconds of
-# CPU per 1 MiB get for no gain in time. Environment: KVSTORE_REPLY_SPIN_US (0: never poll).
-REPLY_SPIN = float(os.environ.get("KVSTORE_REPLY_SPIN_US", "200")) / 1e6
+# CPU per 1 MiB get for no gain in time. Environment: KVSTORE_REPLY_SPIN_US (0: never poll), read
+# when a connection is made (never at import).
+DEFAULT_REPLY_SPIN_US = 200.0
+
+
+def reply_spin() -> float:
+    """Seconds a client polls for a reply before sleeping: KVSTORE_REPLY_SPIN_US, else 200 µs."""
+    text = os.environ.get("KVSTORE_REPLY_SPIN_US")
+    try:
+        return max(0.0, float(text)) / 1e6 if text else DEFAULT_REPLY_SPIN_US / 1e6
+    except ValueError:
+        raise ConfigError(f"KVSTORE_REPLY_SPIN_US must be a number of microseconds, got {text!r}") from None
 SPIN_BACKOFF = 8
 _DONTWAIT = socket.MSG_DONTWAIT
 _perf = time.perf_counter
@@ -281,7 +292,7 @@ class FrameReader:
     ``readinto_many`` does the same for a list of buffers with scatter reads.
     EOF raises TransportError. Not thread-safe: one reader per connection.
     ``spin``: seconds ``read(n, poll=True)`` polls for data before it sleeps in
-    recv (see REPLY_SPIN; 0 for a server, whose threads must not poll).
+    recv (see reply_spin; 0 for a server, whose threads must not poll).
     """
 
     def __init__(self, sock, size: int = 65536, spin: float = 0.0):

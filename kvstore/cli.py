@@ -6,6 +6,7 @@ import json
 
 import click
 
+from kvstore.config_file import config_option
 from kvstore.security.service_flags import ServiceSecurity, client_security_options, service_security_options
 from kvstore.units import format_size, parse_size
 
@@ -45,6 +46,8 @@ class DataDir(click.ParamType):
         import os
         import tempfile
 
+        if ctx is not None and ctx.meta.get(DRY_RUN):  # `kvstore config`: say, do not touch
+            return value
         try:
             os.makedirs(value, mode=0o700, exist_ok=True)
             fd, probe = tempfile.mkstemp(dir=value, prefix=".kvstore-probe-")
@@ -58,6 +61,7 @@ class DataDir(click.ParamType):
 
 
 DATA_DIR = DataDir()
+DRY_RUN = "kvstore.dry_run"  # ctx.meta key: parse a command's options without side effects
 
 
 class ZmqEndpoint(click.ParamType):
@@ -90,7 +94,7 @@ class KVStoreGroup(click.Group):
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 
 
-@click.group(cls=KVStoreGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=KVStoreGroup, context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "KVSTORE"})
 @click.version_option(package_name="kvstore")
 def main() -> None:
     """kvstore: a distributed KVCache store for LLM serving."""
@@ -103,7 +107,8 @@ def main() -> None:
 @click.option("--ssd", type=POSITIVE_SIZE, default="256MiB", show_default=True, help="SSD tier capacity.")
 @click.option("--blocks", type=POSITIVE_INT, default=96, show_default=True, help="How many blocks to store.")
 @click.option("--block-size", type=POSITIVE_SIZE, default="1MiB", show_default=True, help="Bytes per block.")
-@click.option("--policy", type=click.Choice(["lru", "lfu", "length_aware"]), default="lru", show_default=True)
+@click.option("--policy", type=click.Choice(["lru", "lfu", "length_aware"]), default="lru", show_default=True,
+              help="Eviction policy.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def demo(data_dir, dram, ssd, blocks, block_size, policy, as_json) -> None:
     """Store and read back KV blocks in-process, overflowing DRAM into SSD, and print tier stats."""
@@ -217,6 +222,15 @@ def kv_events_options(f):
     return f
 
 
+def cost_model_of(ctx):
+    """The conductor's cost model from the config file's [cost_model] table (None: the default)."""
+    from kvstore.config_file import shared_table
+    from kvstore.scheduler.cost_model import CostModel, CostParams
+
+    params = shared_table(ctx, "cost_model", CostParams)
+    return None if params is None else CostModel(params)
+
+
 def build_kv_events(kv_events, kv_events_replay, kv_events_topic, kv_events_hashes):
     """KVEventsOptions from the flags, or None when --kv-events is absent."""
     if kv_events is None:
@@ -249,20 +263,51 @@ def kv_events_record(server) -> dict:
     return {"kv_events": server.kv_events_address, "kv_events_replay": server.kv_events_replay_address}
 
 
+def tuning_options(f):
+    """Eviction, tiering and lease knobs (kvstore.node.config.StoreConfig); `node` and `up`."""
+    from kvstore.node.config import StoreConfig
+    from kvstore.transport.server import DEFAULT_LEASE_TTL
+
+    d = StoreConfig()
+    options = [
+        click.option("--high-watermark", type=click.FloatRange(0, 1, min_open=True), default=d.high_watermark,
+                     show_default=True, help="Fraction of a tier's capacity past which eviction starts."),
+        click.option("--low-watermark", type=click.FloatRange(0, 1, min_open=True), default=d.low_watermark,
+                     show_default=True, help="Fraction eviction brings a tier back under (<= --high-watermark)."),
+        click.option("--eviction-batch", type=click.IntRange(min=1), default=d.eviction_batch, show_default=True,
+                     help="Blocks evicted or demoted per pass: larger passes take the store lock longer."),
+        click.option("--ssd-policy", type=click.Choice(["lru", "lfu", "length_aware"]), default=None,
+                     help="Eviction policy of the SSD tier [default: --policy]."),
+        click.option("--promote/--no-promote", "promote_on_hit", default=d.promote_on_hit, show_default=True,
+                     help="Bring blocks read from SSD back into DRAM."),
+        click.option("--lease-ttl", type=click.FloatRange(min=0), default=DEFAULT_LEASE_TTL, show_default=True,
+                     help="Seconds a same-host reader's unreleased lease keeps a block in place (0: until the "
+                          "reader releases it or disconnects)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+TUNING_OPTIONS = ("high_watermark", "low_watermark", "eviction_batch", "ssd_policy", "promote_on_hit")
+
+
 def build_store_config(data_dir, dram, ssd, max_block, policy, limits=None):
-    """The node's StoreConfig; ``limits``: --max-connections, --idle-timeout, --max-table (by name)."""
+    """The node's StoreConfig; ``limits``: --max-connections, --idle-timeout, --max-table and the
+    tuning options (by name)."""
     import os
 
     from kvstore.node.config import ConnectionLimits, StoreConfig
 
     limits = dict(limits or {})
+    tuning = {name: limits.pop(name) for name in TUNING_OPTIONS if name in limits}
     if limits.get("idle_timeout") == 0:
         limits["idle_timeout"] = None  # 0 on the command line: never
     if "max_table" in limits:
         limits["max_table_bytes"] = limits.pop("max_table")
     return StoreConfig(dram_capacity=dram, ssd_path=os.path.join(data_dir, "ssd") if ssd else None,
                        ssd_capacity=ssd, max_block_bytes=max_block, policy=policy,
-                       connections=ConnectionLimits(**limits))
+                       connections=ConnectionLimits(**limits), **tuning)
 
 
 def announce(as_json: bool, lines: list[str], record: dict) -> None:
@@ -281,6 +326,7 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
 @scheduling_options
 @kv_events_options
 @service_security_options
+@config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def master(host, port, metrics_port, ttl, replicas, as_json, kv_events, kv_events_replay, kv_events_topic,
            kv_events_hashes, auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual, **scheduling) -> None:
@@ -290,7 +336,8 @@ def master(host, port, metrics_port, ttl, replicas, as_json, kv_events, kv_event
     events = build_kv_events(kv_events, kv_events_replay, kv_events_topic, kv_events_hashes)
     security = ServiceSecurity.from_flags(auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual)
     signals = service_process()
-    server = start_master(host, port, metrics_port, ttl, replicas, kv_events=events, security=security, **scheduling)
+    server = start_master(host, port, metrics_port, ttl, replicas, kv_events=events, security=security,
+                          cost=cost_model_of(click.get_current_context()), **scheduling)
     announce(as_json, [f"kvstore master listening on {server.address}"] +
              ([f"metrics on http://{server.metrics_address}/metrics"] if server.metrics_address else []) +
              kv_events_lines(server),
@@ -300,7 +347,7 @@ def master(host, port, metrics_port, ttl, replicas, as_json, kv_events, kv_event
 
 def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcache_centric",
                  admission="prediction", ttft_slo=float("inf"), tbt_slo=float("inf"), kv_events=None,
-                 request_ttl=3600.0, security=None):
+                 request_ttl=3600.0, security=None, cost=None):
     from kvstore.master.conductor_service import SchedulingOptions
     from kvstore.master.server import MasterServer
 
@@ -316,7 +363,7 @@ def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcac
     return MasterServer(host=host, port=port, ttl_s=ttl, heartbeat_interval_s=min(1.0, ttl / 3),
                         replication_factor=replicas, scheduling=scheduling, kv_events=kv_events,
                         metrics_port=None if metrics_port < 0 else metrics_port, access=security.access,
-                        tls=security.tls, dialing=security.dialing).start()
+                        tls=security.tls, dialing=security.dialing, cost=cost).start()
 
 
 @main.command()
@@ -327,8 +374,10 @@ def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcac
               help="Prometheus port (0: any, -1: off).")
 @advertise_option
 @store_options
+@tuning_options
 @connection_options
 @service_security_options
+@config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def node(master_address, host, port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json,
          auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual, **limits) -> None:
@@ -350,10 +399,12 @@ def start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, ma
 
     security = security or ServiceSecurity()
     security.check_exposure(host, "node")
+    limits = dict(limits or {})
+    lease_ttl = limits.pop("lease_ttl", NodeOptions.lease_ttl)
     config = build_store_config(data_dir, dram, ssd, max_block, policy, limits)
     options = NodeOptions(master=master_address, host=host, port=port, data_dir=data_dir, advertise=advertise,
                           metrics_port=None if metrics_port < 0 else metrics_port, access=security.access,
-                          tls=security.tls, credentials=security.dialing)
+                          tls=security.tls, credentials=security.dialing, lease_ttl=lease_ttl or None)
     return StorageNode(config, options).start()
 
 
@@ -388,9 +439,11 @@ def node_lines(storage) -> list[str]:
               help="Master metrics port; the node's is the next one (0: any, -1: off).")
 @advertise_option
 @store_options
+@tuning_options
 @connection_options
 @kv_events_options
 @service_security_options
+@config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def up(host, port, data_port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json, kv_events,
        kv_events_replay, kv_events_topic, kv_events_hashes, auth_file, insecure, token, tls_cert, tls_key, tls_ca,
@@ -402,7 +455,8 @@ def up(host, port, data_port, metrics_port, advertise, data_dir, dram, ssd, max_
     security = ServiceSecurity.from_flags(auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual,
                                           needs_token=True)
     signals = service_process()
-    master_server = start_master(host, port, metrics_port, 5.0, 1, kv_events=events, security=security)
+    master_server = start_master(host, port, metrics_port, 5.0, 1, kv_events=events, security=security,
+                                 cost=cost_model_of(click.get_current_context()))
     node_metrics = metrics_port + 1 if metrics_port > 0 else metrics_port
     storage = start_node(master_server.address, host, data_port, node_metrics, data_dir, dram, ssd, max_block, policy,
                          advertise, limits, security)
@@ -432,6 +486,32 @@ def token(name, role, namespaces, quota, hashed) -> None:
 
 
 # -- inspection --------------------------------------------------------------------------------
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                "help_option_names": []})
+@click.argument("command_name", metavar="COMMAND")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def config(command_name, args, as_json) -> None:
+    """Print the settings COMMAND would run with given ARGS, and where each comes from
+    (command line, environment, config file, default), without running it."""
+    from kvstore.config_file import effective
+
+    ctx = click.get_current_context()
+    command = main.commands.get(command_name)
+    if command is None or command_name == "config":
+        raise click.BadParameter(f"no such command {command_name!r} (commands: {', '.join(sorted(main.commands))})")
+    ctx.meta[DRY_RUN] = True
+    records = effective(command, command_name, list(args), ctx.find_root())
+    if as_json:
+        click.echo(json.dumps(records, indent=2, default=str))
+        return
+    width = max(len(r["option"]) for r in records)
+    for r in records:
+        click.echo(f"{r['option']:<{width}}  {r['value']!s:<24}  {r['source']:<12}  {r['env']}")
+
+
 
 
 @main.command()

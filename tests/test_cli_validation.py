@@ -21,6 +21,7 @@ LOWEST = {
     ("up", "port"): 0, ("up", "data_port"): 0, ("up", "metrics_port"): -1,
     ("node", "ssd"): 0, ("up", "ssd"): 0,  # 0: no SSD tier
     ("node", "idle_timeout"): 0, ("up", "idle_timeout"): 0,  # 0: never
+    ("node", "lease_ttl"): 0, ("up", "lease_ttl"): 0,  # 0: leases never expire
     ("token", "quota"): 0,
 }
 PORTS = {"port", "data_port", "metrics_port"}

@@ -33,7 +33,6 @@ from kvstore_client.wire import (
     LEASE_ITEM,
     MAX_ITEMS,
     PIECEWISE_FROM,
-    REPLY_SPIN,
     RESERVED_ITEM,
     SPIN_BACKOFF,
     U64,
@@ -43,6 +42,7 @@ from kvstore_client.wire import (
     key_entry,
     pack_header,
     put_entry,
+    reply_spin,
 )
 from tests.conftest import run_in_threads
 from tests.processes import recv_exact
@@ -591,7 +591,7 @@ def test_servers_never_poll_and_clients_do(tmp_path):
         with UnixConnection(server.unix_path) as conn:
             conn.put(key("k"), b"v")
             (served,) = list(server._connections)
-            assert served.reader._spin == 0 and conn._reader._spin == REPLY_SPIN > 0
+            assert served.reader._spin == 0 and conn._reader._spin == reply_spin() > 0
     store.close()
 
 

@@ -63,6 +63,11 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         self._conductors: dict[str, Conductor] = {}
         self._lock = threading.Lock()
 
+    @property
+    def cost(self) -> CostModel:
+        """The cost model every namespace's conductor estimates with."""
+        return self._cost
+
     def conductor(self, namespace: str) -> Conductor:
         """The namespace's Conductor; PermissionDenied when the caller's token may not use it
         (every RPC here reaches its conductor through this)."""

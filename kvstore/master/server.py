@@ -32,6 +32,7 @@ from typing import Callable
 import grpc
 
 from kvstore.master.conductor_service import ConductorServicer, SchedulingOptions
+from kvstore.scheduler.cost_model import CostModel
 from kvstore.master.index import PrefixIndex
 from kvstore.master.kv_events import KVEventsOptions, open_publisher
 from kvstore.master.membership import Membership
@@ -63,7 +64,7 @@ class MasterServer:
                  metrics_port: int | None = None, max_workers: int = 8,
                  clock: Callable[[], float] = time.monotonic, scheduling: SchedulingOptions | None = None,
                  kv_events: KVEventsOptions | None = None, access: AccessList | None = None,
-                 tls: ServerTLS | None = None, dialing: Credentials | None = None):
+                 tls: ServerTLS | None = None, dialing: Credentials | None = None, cost: CostModel | None = None):
         if not 0 < heartbeat_interval_s < ttl_s:
             raise ConfigError(f"need 0 < heartbeat_interval_s < ttl_s, got {heartbeat_interval_s} and {ttl_s}")
         self.host, self._port, self._metrics_port = host, port, metrics_port
@@ -78,7 +79,7 @@ class MasterServer:
             dialing = dataclasses.replace(dialing, key=access.service_key())
         self.replicator = Replicator(self._data_address, dialing)
         self.conductor = ConductorServicer(self.index, self.replicator, scheduling or SchedulingOptions(),
-                                           self.servicer._count)
+                                           self.servicer._count, cost=cost)
         self._max_workers = max_workers
         self._sweep_s = max(0.01, min(heartbeat_interval_s, ttl_s / 4))
         self._server: grpc.Server | None = None

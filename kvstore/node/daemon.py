@@ -24,6 +24,7 @@ from kvstore.node.data_dir_lock import DataDirLock
 from kvstore.node.peers import RegisteredPeers, refuse_all
 from kvstore.node.store import BlockStore
 from kvstore.node.tenant_usage import TenantUsage
+from kvstore.transport.server import DEFAULT_LEASE_TTL
 from kvstore.security.access import AccessList
 from kvstore.security.tls import ServerTLS
 from kvstore.tiers.arena import shm_dir
@@ -84,6 +85,7 @@ class NodeOptions:
     access: AccessList | None = None  # tokens clients must prove (None: none checked)
     tls: ServerTLS | None = None  # TLS on the TCP data plane
     credentials: Credentials = NO_CREDENTIALS  # what the node presents to the master and other nodes
+    lease_ttl: float | None = DEFAULT_LEASE_TTL  # seconds an unreleased same-host read lease lasts (None: ever)
 
 
 def stable_node_id(data_dir: str | None) -> str:
@@ -145,7 +147,8 @@ class StorageNode:
             unix_path = os.path.join(shm_dir(), f"{SOCKET_PREFIX}{self.node_id}{SOCKET_SUFFIX}")
         self.server = DataPlaneServer(self.store, host=opts.host, port=opts.port, unix_path=unix_path,
                                       node_id=self.node_id, machine_id=machine_id(), access=opts.access,
-                                      tls=opts.tls.server_context() if opts.tls else None, usage=usage).start()
+                                      tls=opts.tls.server_context() if opts.tls else None, usage=usage,
+                                      lease_ttl=opts.lease_ttl).start()
         self.server.puller.credentials = opts.credentials
         if unix_path is not None:
             os.chmod(unix_path, 0o600)  # only this user's clients (connect needs write permission)
