@@ -30,28 +30,16 @@ where each value came from. docs/configuration.md lists every knob
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 
 import click
 
 from kvstore_client.errors import ConfigError
+from kvstore.toml_files import read_toml
 
 CONFIG_ENV = "KVSTORE_CONFIG"
 ENV_PREFIX = "KVSTORE"
 SHARED_TABLES = ("cost_model",)  # tables that are no command's options
 _DOCUMENT_KEY = "kvstore.config_document"
-
-
-def read_document(path: str) -> dict:
-    """The TOML document at ``path``; ConfigError when it cannot be read or parsed."""
-    try:
-        with open(path, "rb") as f:
-            document = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    return document
 
 
 def command_defaults(document: dict, command: click.Command, name: str, path: str) -> dict:
@@ -88,7 +76,7 @@ def _load(ctx: click.Context, param, value):
     """--config's callback (eager): the file's table becomes the command's defaults."""
     if not value:
         return value
-    document = read_document(value)
+    document = read_toml(value)
     root = ctx.find_root()
     check_tables(document, getattr(root.command, "commands", {}), value)
     ctx.default_map = {**command_defaults(document, ctx.command, ctx.info_name, value), **(ctx.default_map or {})}

@@ -91,6 +91,16 @@ def stop(proc: subprocess.Popen) -> None:
     proc.stdout.close()
 
 
+def clean_up(proc: subprocess.Popen, path: str) -> None:
+    """After a test, whatever it asserted: the owner gone, its arena and directory removed."""
+    if proc.poll() is None:
+        proc.kill()
+        stop(proc)
+    for leftover in (path, path + ".dir"):
+        if leftover and os.path.exists(leftover):
+            os.unlink(leftover)
+
+
 def test_a_live_arena_whose_owner_pid_is_not_visible_here_is_kept():
     """Containers sharing /dev/shm: the name's pid means nothing here; the creator's lock shows it lives."""
     proc, path = spawn_owner(f"kvstore-{invisible_pid()}-{os.urandom(4).hex()}")
@@ -103,12 +113,7 @@ def test_a_live_arena_whose_owner_pid_is_not_visible_here_is_kept():
         assert set(reap_stale_arenas()) >= {os.path.basename(path), os.path.basename(path) + ".dir"}
         assert not os.path.exists(path) and not os.path.exists(path + ".dir")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            stop(proc)
-        for leftover in (path, path + ".dir"):
-            if leftover and os.path.exists(leftover):
-                os.unlink(leftover)
+        clean_up(proc, path)
 
 
 def test_an_arena_nobody_holds_is_reaped():
@@ -158,12 +163,7 @@ def test_an_arena_made_in_another_pid_namespace_is_kept_while_its_creator_lives(
         stop(proc)
         assert os.path.basename(path) in reap_stale_arenas() and not os.path.exists(path + ".dir")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            stop(proc)
-        for leftover in (path, path + ".dir"):
-            if leftover and os.path.exists(leftover):
-                os.unlink(leftover)
+        clean_up(proc, path)
 
 
 def test_a_new_arena_is_locked_from_the_moment_its_name_appears(tmp_path, monkeypatch):

@@ -46,7 +46,7 @@ from kvstore_client.wire import (
 )
 from tests.access_files import ADMIN, NODE, NS_A, NS_B, TENANT_A, TENANT_B, WRONG, write_access_file
 from tests.processes import recv_exact, start_master
-from tests.test_transport_limits import NodeProcess, closed, expect_error, read_reply
+from tests.test_transport_limits import NodeProcess, assert_no_traceback, closed, expect_error, read_reply
 
 KiB = 1 << 10
 DENIED = Status.PERMISSION_DENIED
@@ -77,8 +77,7 @@ def no_tracebacks(request):
     """No frame, however malformed or unauthenticated, may make the node log a traceback."""
     yield
     if "node" in request.fixturenames:
-        text = request.getfixturevalue("node").stderr()
-        assert "Traceback" not in text, text[-4000:]
+        assert_no_traceback(request.getfixturevalue("node"))
 
 
 def digest(name: str) -> bytes:

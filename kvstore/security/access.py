@@ -18,12 +18,12 @@ import hashlib
 import os
 import re
 import stat
-import tomllib
 from dataclasses import dataclass, field
 
 from kvstore_client.auth import DataKey
 from kvstore_client.errors import ConfigError
 from kvstore_client.keys import check_namespace
+from kvstore.toml_files import read_toml
 from kvstore.units import parse_size
 
 ADMIN, NODE, TENANT = "admin", "node", "tenant"
@@ -86,17 +86,13 @@ class AccessList:
     def load(cls, path: str) -> "AccessList":
         """Parse and check the file at ``path``; ConfigError says what is wrong and where."""
         try:
-            st = os.stat(path)
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                raise ConfigError(f"{path} is readable by others (mode {stat.S_IMODE(st.st_mode):04o}): it holds "
-                                  f"the tokens' keys; chmod 600 {path}")
-            with open(path, "rb") as f:
-                document = tomllib.load(f)
+            mode = stat.S_IMODE(os.stat(path).st_mode)
         except OSError as exc:
             raise ConfigError(f"cannot read access file {path}: {exc.strerror or exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-        return cls.parse(document, path)
+        if mode & 0o077:
+            raise ConfigError(f"{path} is readable by others (mode {mode:04o}): it holds the tokens' keys; "
+                              f"chmod 600 {path}")
+        return cls.parse(read_toml(path, "access file"), path)
 
     @classmethod
     def parse(cls, document: dict, source: str = "<access list>") -> "AccessList":
