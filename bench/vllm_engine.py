@@ -40,6 +40,25 @@ def make_llama(path: str, *, hidden: int = 128, layers: int = 2, heads: int = 4,
     return path
 
 
+def make_tokenizer(path: str, vocab: int = 1000) -> str:
+    """Save a word-level tokenizer for ``make_llama``'s model at ``path``, so that an OpenAI server
+    (``vllm serve``) can take text and chat prompts: token ``i`` is the word ``w<i>`` (ids 0-2:
+    ``<unk>``, ``<s>``, ``</s>``), words split on white space, unknown words are ``<unk>``;
+    the chat template writes ``role: content`` lines and ``assistant:``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    fast.save_pretrained(path)
+    return path
+
+
 def connector_config(master: str, *, role: str = "kv_both", **extra) -> dict:
     """The ``kv_transfer_config`` that attaches kvstore's connector to a pool at ``master``."""
     return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore_client.vllm",

@@ -581,6 +581,61 @@ def bench(master_address, sizes, ops, transports, clients, bytes_per_client, bat
     emit(run(settings), as_json, plot_path, echo=click.echo)
 
 
+@main.command()
+@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True, help="The master's host:port.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve HTTP on.")
+@click.option("--port", type=PORT, default=8000, show_default=True, help="HTTP port (0: any free port).")
+@click.option("--namespace", default="vllm", show_default=True,
+              help="The engines' connector namespace (kv_connector_extra_config 'namespace'): where their records are.")
+@click.option("--connect-timeout", type=POSITIVE_FLOAT, default=5.0, show_default=True,
+              help="Seconds to connect to an engine.")
+@click.option("--read-timeout", type=POSITIVE_FLOAT, default=60.0, show_default=True,
+              help="Seconds an engine may send nothing (between stream chunks, or before its answer) before the "
+                   "request fails.")
+@click.option("--prefill-timeout", type=POSITIVE_FLOAT, default=300.0, show_default=True,
+              help="Seconds one prefill call may take in all.")
+@click.option("--index-wait", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds to wait after a prefill for the master's index to list the prompt's blocks.")
+@client_security_options
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the address.")
+def router(master_address, host, port, namespace, connect_timeout, read_timeout, prefill_timeout, index_wait,
+           as_json, **credentials) -> None:
+    """Serve an OpenAI-compatible API that runs prefill and decode on the engines the conductor picks."""
+    import asyncio
+
+    from kvstore.router.server import PoolBackend, Router, serve
+    from kvstore.serving import service_process
+
+    signals = service_process()
+    backend = PoolBackend(connect(master_address, **credentials), namespace)
+    routing = Router(backend, connect_timeout=connect_timeout, read_timeout=read_timeout,
+                     prefill_timeout=prefill_timeout, index_wait_s=index_wait)
+
+    import concurrent.futures
+    import threading
+
+    listening: concurrent.futures.Future = concurrent.futures.Future()
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(serve(routing, host, port, listening.set_result))
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(task)
+        except BaseException as exc:  # noqa: BLE001 - a failed start is reported by the main thread
+            if not listening.done():
+                listening.set_exception(exc)
+
+    thread = threading.Thread(target=run, name="kvstore-router", daemon=True)
+    thread.start()
+    try:
+        url = listening.result()
+    except OSError as exc:
+        raise click.ClickException(f"router: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    announce(as_json, [f"kvstore router listening on {url} (master {master_address})"], {"router": url})
+    signals.serve([lambda: loop.call_soon_threadsafe(task.cancel), lambda: thread.join(timeout=10)])
+
+
 def connect(master_address: str, **credentials):
     """A Client of the pool at ``master_address``; ``credentials``: token, tls_ca, tls_cert, tls_key."""
     from kvstore_client.client import Client

@@ -125,6 +125,17 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._naming = PoolNaming(self._settings.namespace, layout, tp_rank=0)
             self._plans = RequestPlans(spec.block_size, load=self._settings.load, save=self._settings.save,
                                        save_decode=self._settings.save_decode)
+            self._announcement = None
+            if self._settings.role is not None:   # join the conductor (kvstore_client.vllm.engines)
+                from kvstore_client.vllm.engines import EngineAnnouncement
+
+                self._announcement = EngineAnnouncement(
+                    self._client, self._settings, self._naming.namespaces[self._naming.last_layer],
+                    block_size=spec.block_size, hash_algo=layout.hash_algo,
+                    hash_seed=os.environ.get("PYTHONHASHSEED"), model=vllm_config.model_config.served_model_name
+                    if isinstance(vllm_config.model_config.served_model_name, str)
+                    else vllm_config.model_config.model)
+                self._announcement.start()
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -184,6 +195,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # the lookup serves loading, and saving too: blocks the pool has are not sent again
         pool_blocks = self._lookup(hashes) if hashes and (self._settings.load or self._settings.save) else 0
         self._plans.remember_hit(request.request_id, pool_blocks, num_computed_tokens)
+        if self._announcement is not None:
+            self._announcement.tracker.seen(request)
         return self._plans.external_tokens(pool_blocks, num_computed_tokens, request.num_prompt_tokens), False
 
     def _lookup(self, hashes: list[bytes]) -> int:
@@ -201,6 +214,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         self._plans.allocated(request.request_id, request.block_hashes, request.num_prompt_tokens,
                               num_external_tokens)
+        if self._announcement is not None:
+            self._announcement.tracker.allocated(request)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         cached = scheduler_output.scheduled_cached_reqs
@@ -215,10 +230,14 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves are collected at the end of every step, so the blocks may be freed now.
         self._plans.finished(request.request_id)
+        if self._announcement is not None:
+            self._announcement.tracker.finished(request.request_id)
         return False, None
 
     def shutdown(self) -> None:
         try:
+            if getattr(self, "_announcement", None) is not None:
+                self._announcement.close()
             if self._transfers is not None:
                 self._transfers.close()
         finally:

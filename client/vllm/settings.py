@@ -9,7 +9,14 @@ Keys (all optional but ``master``):
   ``kv_role`` ``kv_consumer`` only loads and ``kv_producer`` only saves, whatever these say);
 - ``save_decode``: also store blocks filled by generated tokens (default false: prompts only,
   which is what a later request can hit);
-- ``timeout``: seconds one pool call may take before it counts as failed (default 10).
+- ``timeout``: seconds one pool call may take before it counts as failed (default 10);
+- ``role``: ``prefill``, ``decode`` or ``both``: register the engine with the master's conductor
+  in that role, report its load and announce it to ``kvstore router`` (default: none, the
+  engine serves on its own); needs ``engine_url``;
+- ``engine_url``: the base URL of the engine's OpenAI server (``http://HOST:PORT``), where the
+  router sends its requests;
+- ``engine_id``: the id the engine registers under (default: ``engine_url``);
+- ``load_report_interval``: seconds between load reports to the conductor (default 0.5).
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from typing import Any, Mapping
 from kvstore_client.errors import ConfigError
 from kvstore_client.keys import check_namespace
 
-KNOWN_KEYS = {"master", "namespace", "load", "save", "save_decode", "timeout"}
+KNOWN_KEYS = {"master", "namespace", "load", "save", "save_decode", "timeout", "role", "engine_url", "engine_id",
+              "load_report_interval"}
+ROLES = ("prefill", "decode", "both")
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,10 @@ class ConnectorSettings:
     save: bool = True
     save_decode: bool = False
     timeout: float = 10.0
+    role: str | None = None          # prefill, decode, both; None: not registered with the conductor
+    engine_url: str | None = None
+    engine_id: str | None = None     # engine_url unless set
+    load_report_interval: float = 0.5
 
 
 def _flag(extra: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -64,6 +77,28 @@ def read_settings(extra: Mapping[str, Any] | None, kv_role: str | None) -> Conne
         raise ConfigError(f"kv_connector_extra_config['timeout'] must be a number, not {extra['timeout']!r}") from None
     if not timeout > 0:
         raise ConfigError("kv_connector_extra_config['timeout'] must be positive")
+    role = extra.get("role")
+    if role is not None and role not in ROLES:
+        raise ConfigError(f"kv_connector_extra_config['role'] must be one of {', '.join(ROLES)}, not {role!r}")
+    engine_url = extra.get("engine_url")
+    if engine_url is not None and not (isinstance(engine_url, str) and engine_url.startswith(("http://", "https://"))
+                                       and len(engine_url.split("://", 1)[1].strip("/")) > 0):
+        raise ConfigError(f"kv_connector_extra_config['engine_url'] must be the engine's http://HOST:PORT, "
+                          f"not {engine_url!r}")
+    if role is not None and engine_url is None:
+        raise ConfigError("kv_connector_extra_config['role'] needs 'engine_url': the base URL of this engine's "
+                          "OpenAI server, where the router sends requests")
+    engine_id = extra.get("engine_id", engine_url.rstrip("/") if engine_url else None)
+    if engine_id is not None and (not isinstance(engine_id, str) or not engine_id or "#" in engine_id):
+        raise ConfigError(f"kv_connector_extra_config['engine_id'] must be a non-empty string without '#', "
+                          f"not {engine_id!r}")
+    try:
+        interval = float(extra.get("load_report_interval", 0.5))
+    except (TypeError, ValueError):
+        raise ConfigError("kv_connector_extra_config['load_report_interval'] must be a number, not "
+                          f"{extra['load_report_interval']!r}") from None
+    if not interval > 0:
+        raise ConfigError("kv_connector_extra_config['load_report_interval'] must be positive")
     if kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
         raise ConfigError(f"kv_role must be kv_both, kv_producer or kv_consumer, not {kv_role!r}")
     return ConnectorSettings(
@@ -73,4 +108,8 @@ def read_settings(extra: Mapping[str, Any] | None, kv_role: str | None) -> Conne
         save=_flag(extra, "save", True) and kv_role != "kv_consumer",
         save_decode=_flag(extra, "save_decode", False),
         timeout=timeout,
+        role=role,
+        engine_url=engine_url.rstrip("/") if engine_url else None,
+        engine_id=engine_id,
+        load_report_interval=interval,
     )

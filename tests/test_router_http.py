@@ -1,0 +1,160 @@
+"""The router's HTTP layer without engines: a fake OpenAI server and a fake conductor
+(tests/router_fakes.py). Real engines: tests/test_router.py."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from kvstore.router.server import Router, build_app  # noqa: E402
+from tests.router_fakes import FakeBackend, Served, fake_engine  # noqa: E402
+
+
+@pytest.fixture
+def stack():
+    engine_app, seen = fake_engine()
+    engine = Served(engine_app)
+    backend = FakeBackend(engine.url)
+    router = Served(build_app(Router(backend, read_timeout=1.0, index_wait_s=0.1)))
+    yield router.url, backend, seen
+    router.close()
+    engine.close()
+
+
+def post(url: str, body, timeout: float = 20):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+@pytest.mark.parametrize("body,message", [
+    (b"not json", "JSON"), ([1, 2], "JSON object"), ({"model": "tiny"}, "prompt"),
+    ({"prompt": [1, -2]}, "prompt"), ({"prompt": ""}, "empty"), ({"prompt": ["a", "b"]}, "one prompt"),
+    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"), ({"prompt": [1], "stream": "yes"}, "stream")])
+def test_bad_requests_are_400_with_an_openai_error(stack, body, message):
+    url, backend, seen = stack
+    status, _, data = post(f"{url}/v1/completions", body)
+    assert status == 400
+    assert message in json.loads(data)["error"]["message"]
+    assert not backend.scheduled and not [s for s in seen if s[0] != "tokenize"]
+
+
+def test_a_chat_without_messages_is_400(stack):
+    url, _, _ = stack
+    status, _, data = post(f"{url}/v1/chat/completions", {"model": "tiny", "messages": []})
+    assert status == 400 and "messages" in json.loads(data)["error"]["message"]
+
+
+def test_prefill_gets_one_token_then_decode_gets_the_request_unchanged(stack):
+    url, backend, seen = stack
+    body = {"model": "tiny", "prompt": list(range(1, 11)), "max_tokens": 5, "temperature": 0, "seed": 7,
+            "stop": ["x"], "min_tokens": 2, "stream_options": {"include_usage": True}, "custom_field": {"a": 1}}
+    status, headers, data = post(f"{url}/v1/completions", body)
+    assert status == 200
+    prefill, decode = [b for path, b in seen if path == "/v1/completions"]
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False and "min_tokens" not in prefill
+    assert {k: v for k, v in prefill.items() if k not in ("max_tokens", "stream", "n")} == \
+        {k: v for k, v in body.items() if k not in ("max_tokens", "min_tokens", "stream_options")}
+    assert decode == body                       # every field passed through as it came
+    assert json.loads(data)["echo"] == body
+    keys, input_length, output_length, namespace = backend.scheduled[0]
+    assert (len(keys), input_length, output_length, namespace) == (2, 10, 5, "ns/layer1")  # 10 tokens: 2 blocks of 4
+    assert headers["x-kvstore-prefix-tokens"] == "8" and headers["x-kvstore-decode-engine"] == "D"
+    assert backend.reports == ["prefill_started", "prefill_finished", "decode_finished"]
+
+
+def test_text_and_chat_prompts_are_tokenized_by_an_engine(stack):
+    url, backend, seen = stack
+    status, _, _ = post(f"{url}/v1/completions", {"model": "tiny", "prompt": "w1 w2 w3 w4 w5"})
+    assert status == 200
+    status, _, _ = post(f"{url}/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": "w1 w2 w3 w4 w5 w6 w7 w8 w9"}], "max_tokens": 3})
+    assert status == 200
+    tokenized = [b for path, b in seen if path == "tokenize"]
+    assert tokenized[0] == {"model": "tiny", "prompt": "w1 w2 w3 w4 w5"}
+    assert tokenized[1]["messages"][0]["content"].startswith("w1")
+    assert [(len(k), n) for k, n, _, _ in backend.scheduled] == [(1, 5), (2, 9)]
+
+
+def test_overload_is_429_with_retry_after_and_no_engine_call(stack):
+    url, backend, seen = stack
+    backend.overloaded = "ttft_slo"
+    status, headers, data = post(f"{url}/v1/completions", {"model": "tiny", "prompt": [1, 2, 3]})
+    assert status == 429
+    assert headers["Retry-After"] == "1" and headers["x-kvstore-reject-reason"] == "ttft_slo"
+    assert json.loads(data)["error"]["type"] == "overloaded"
+    assert not [s for s in seen if s[0] != "tokenize"]
+
+
+def test_an_engine_refusal_passes_through_and_the_request_is_cancelled(stack):
+    url, backend, _ = stack
+    status, _, data = post(f"{url}/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 500})
+    assert status == 400 and json.loads(data)["error"]["message"] == "too many"   # the engine's own answer
+    assert backend.reports == ["prefill_started", "prefill_finished", "cancelled"]
+
+
+def sse_events(data: bytes) -> list[str]:
+    return [e for e in data.decode().split("\n\n") if e]
+
+
+def test_streams_are_relayed_as_server_sent_events(stack):
+    url, backend, _ = stack
+    status, headers, data = post(f"{url}/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 3,
+                                                           "stream": True})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(data)
+    assert events[-1] == "data: [DONE]"
+    assert [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1]] == [" w0", " w1", " w2"]
+    assert backend.reports[-1] == "decode_finished"
+
+
+def test_an_engine_dying_mid_stream_ends_it_with_an_error_event(stack):
+    url, backend, _ = stack
+    start = time.monotonic()
+    status, _, data = post(f"{url}/v1/completions", {"model": "tiny", "prompt": [666, 2], "max_tokens": 3,
+                                                     "stream": True})
+    assert status == 200 and time.monotonic() - start < 10
+    events = sse_events(data)
+    assert events[0].startswith("data: ") and events[-1] == "data: [DONE]"
+    assert events[-2].startswith("event: error\ndata: ")
+    assert json.loads(events[-2].split("data: ", 1)[1])["error"]["code"] == 502
+    assert backend.reports[-1] == "cancelled"
+
+
+def test_a_stalled_engine_times_out_instead_of_hanging(stack):
+    url, backend, _ = stack
+    start = time.monotonic()
+    status, _, data = post(f"{url}/v1/completions", {"model": "tiny", "prompt": [777, 2]})
+    assert status == 504 and time.monotonic() - start < 10       # read timeout 1 s in the fixture
+    assert json.loads(data)["error"]["type"] == "gateway_timeout"
+    assert backend.reports[-1] == "cancelled"
+
+
+def test_an_unreachable_engine_is_a_502(stack):
+    url, backend, _ = stack
+    backend.records = [r.__class__(**{**r.__dict__, "url": "http://127.0.0.1:9"}) for r in backend.records]
+    status, _, data = post(f"{url}/v1/completions", {"model": "tiny", "prompt": [1, 2]})
+    assert status == 502 and json.loads(data)["error"]["type"] == "bad_gateway"
+
+
+def test_models_health_and_metrics(stack):
+    url, _, _ = stack
+    post(f"{url}/v1/completions", {"model": "tiny", "prompt": [1, 2, 3, 4, 5]})
+    with urllib.request.urlopen(f"{url}/v1/models") as resp:
+        assert [m["id"] for m in json.load(resp)["data"]] == ["tiny"]
+    with urllib.request.urlopen(f"{url}/health") as resp:
+        assert json.load(resp) == {"status": "ok", "engines": 2}
+    with urllib.request.urlopen(f"{url}/metrics") as resp:
+        text = resp.read().decode()
+    assert 'kvstore_router_requests_total{outcome="ok"} 1' in text
+    assert "kvstore_router_prefix_tokens_total 4" in text
