@@ -20,6 +20,7 @@ from typing import Sequence
 import grpc
 
 from kvstore_client.buffers import byte_view
+from kvstore_client.cluster_address import master_channel
 from kvstore_client.connect import check_data_path, open_connection
 from kvstore_client.credentials import Credentials
 from kvstore_client.errors import (
@@ -64,7 +65,9 @@ class PrefixMatch:
 
 
 class Client:
-    """A handle on one kvstore pool, reached through its master at ``master`` (host:port).
+    """A handle on one kvstore pool, reached through its master at ``master`` (host:port, or
+    ``etcd://HOST:PORT[,...][/PREFIX]`` for masters that elect a leader through etcd: calls
+    follow the leader, see kvstore_client.cluster_address).
 
     ``prefer_shm``: use shared memory with nodes on this host. ``location_ttl``:
     seconds a block location stays cached. ``replicas``: copies per put
@@ -99,7 +102,7 @@ class Client:
         self.verify = verify
         self.data_path = check_data_path(data_path)
         self.timeout = timeout
-        self._channel = self.credentials.channel(master, GRPC_OPTIONS)
+        self._channel = master_channel(master, self.credentials, GRPC_OPTIONS)  # host:port or etcd://
         self._stub = pb_grpc.MasterStub(self._channel)
         self._locations = LocationCache(location_ttl)
         self._nodes = KnownNodes()

@@ -323,31 +323,55 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
 @click.option("--ttl", type=POSITIVE_FLOAT, default=5.0, show_default=True,
               help="Seconds without heartbeat before a node is dropped.")
 @click.option("--replicas", type=POSITIVE_INT, default=1, show_default=True, help="Copies of each block (best effort).")
+@click.option("--etcd", "etcd_endpoints", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+              help="Campaign for leadership through this etcd cluster: the leader serves, standbys answer "
+                   "UNAVAILABLE and take over when its lease lapses (nodes and clients then name the cluster "
+                   "etcd://HOST:PORT[,...]).")
+@click.option("--etcd-prefix", default="/kvstore", show_default=True,
+              help="etcd key prefix of this cluster's election (the leader key is PREFIX/leader).")
+@click.option("--etcd-lease-ttl", type=POSITIVE_INT, default=5, show_default=True,
+              help="Seconds of the leader's etcd lease: a dead leader is replaced after about this long.")
+@click.option("--advertise", default=None, metavar="HOST:PORT",
+              help="The gRPC address put in etcd for nodes and clients (default: the address listened on).")
 @scheduling_options
 @kv_events_options
 @service_security_options
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
-def master(host, port, metrics_port, ttl, replicas, as_json, kv_events, kv_events_replay, kv_events_topic,
-           kv_events_hashes, auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual, **scheduling) -> None:
+def master(host, port, metrics_port, ttl, replicas, etcd_endpoints, etcd_prefix, etcd_lease_ttl, advertise, as_json,
+           kv_events, kv_events_replay, kv_events_topic, kv_events_hashes, auth_file, insecure, token, tls_cert,
+           tls_key, tls_ca, tls_mutual, **scheduling) -> None:
     """Run the master: membership, the global prefix index, placement and the conductor."""
     from kvstore.serving import service_process
 
     events = build_kv_events(kv_events, kv_events_replay, kv_events_topic, kv_events_hashes)
     security = ServiceSecurity.from_flags(auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual)
+    etcd = None
+    if etcd_endpoints:
+        from kvstore.master.election import EtcdOptions
+        from kvstore_client.etcd import parse_endpoints
+
+        try:
+            parse_endpoints(etcd_endpoints)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--etcd") from None
+        etcd = EtcdOptions(etcd_endpoints, etcd_prefix, etcd_lease_ttl, advertise)
     signals = service_process()
     server = start_master(host, port, metrics_port, ttl, replicas, kv_events=events, security=security,
-                          cost=cost_model_of(click.get_current_context()), **scheduling)
+                          cost=cost_model_of(click.get_current_context()), etcd=etcd, **scheduling)
     announce(as_json, [f"kvstore master listening on {server.address}"] +
+             ([f"campaigning for leadership in etcd {etcd_endpoints} under {etcd_prefix}"] if etcd else []) +
              ([f"metrics on http://{server.metrics_address}/metrics"] if server.metrics_address else []) +
              kv_events_lines(server),
-             {"master": server.address, "metrics": server.metrics_address, **kv_events_record(server)})
+             {"master": server.address, "metrics": server.metrics_address, **kv_events_record(server),
+              **({"etcd": f"etcd://{etcd_endpoints}{'' if etcd_prefix == '/kvstore' else etcd_prefix}"}
+                 if etcd else {})})
     signals.serve([server.stop])
 
 
 def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcache_centric",
                  admission="prediction", ttft_slo=float("inf"), tbt_slo=float("inf"), kv_events=None,
-                 request_ttl=3600.0, security=None, cost=None):
+                 request_ttl=3600.0, security=None, cost=None, etcd=None):
     from kvstore.master.conductor_service import SchedulingOptions
     from kvstore.master.server import MasterServer
 
@@ -363,11 +387,12 @@ def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcac
     return MasterServer(host=host, port=port, ttl_s=ttl, heartbeat_interval_s=min(1.0, ttl / 3),
                         replication_factor=replicas, scheduling=scheduling, kv_events=kv_events,
                         metrics_port=None if metrics_port < 0 else metrics_port, access=security.access,
-                        tls=security.tls, dialing=security.dialing, cost=cost).start()
+                        tls=security.tls, dialing=security.dialing, cost=cost, etcd=etcd).start()
 
 
 @main.command()
-@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True, help="The master's host:port.")
+@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True,
+              help="The master's host:port, or etcd://HOST:PORT[,...][/PREFIX] (masters with --etcd).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve blocks on.")
 @click.option("--port", type=PORT, default=7701, show_default=True, help="Data-plane TCP port (0: any free port).")
 @click.option("--metrics-port", type=METRICS_PORT, default=7703, show_default=True,
@@ -515,7 +540,8 @@ def config(command_name, args, as_json) -> None:
 
 
 @main.command()
-@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True, help="The master's host:port.")
+@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True,
+              help="The master's host:port, or etcd://HOST:PORT[,...][/PREFIX] (masters with --etcd).")
 @client_security_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def status(master_address, as_json, **credentials) -> None:
@@ -528,7 +554,8 @@ def status(master_address, as_json, **credentials) -> None:
 
 
 @main.command()
-@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True, help="The master's host:port.")
+@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True,
+              help="The master's host:port, or etcd://HOST:PORT[,...][/PREFIX] (masters with --etcd).")
 @click.option("--namespace", default="", help="Only this namespace (default: all).")
 @click.option("--limit", type=POSITIVE_INT, default=50, show_default=True, help="How many keys to list.")
 @client_security_options
@@ -582,7 +609,8 @@ def bench(master_address, sizes, ops, transports, clients, bytes_per_client, bat
 
 
 @main.command()
-@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True, help="The master's host:port.")
+@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True,
+              help="The master's host:port, or etcd://HOST:PORT[,...][/PREFIX] (masters with --etcd).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve HTTP on.")
 @click.option("--port", type=PORT, default=8000, show_default=True, help="HTTP port (0: any free port).")
 @click.option("--namespace", default="vllm", show_default=True,

@@ -16,6 +16,10 @@ metrics server (when enabled) runs on its own daemon thread; with
 msgspec module is loaded and the index reports its changes to no one.
 With ``access`` (an access file) every RPC is authenticated and checked
 (kvstore.security.grpc_gate); with ``tls`` the port speaks TLS only.
+With ``etcd`` (EtcdOptions) the master campaigns for leadership through etcd
+(kvstore.master.election, one more thread, "master-election") and serves only
+while it leads: a standby answers every RPC with UNAVAILABLE, after the auth
+gate, so tokens and TLS apply to every master alike.
 Shared state lives in the domain objects, each with its own lock (order:
 Membership, then PrefixIndex).
 """
@@ -31,6 +35,7 @@ from typing import Callable
 
 import grpc
 
+from kvstore.master.election import Election, EtcdOptions, LeaderGate
 from kvstore.master.conductor_service import ConductorServicer, SchedulingOptions
 from kvstore.scheduler.cost_model import CostModel
 from kvstore.master.index import PrefixIndex
@@ -64,7 +69,8 @@ class MasterServer:
                  metrics_port: int | None = None, max_workers: int = 8,
                  clock: Callable[[], float] = time.monotonic, scheduling: SchedulingOptions | None = None,
                  kv_events: KVEventsOptions | None = None, access: AccessList | None = None,
-                 tls: ServerTLS | None = None, dialing: Credentials | None = None, cost: CostModel | None = None):
+                 tls: ServerTLS | None = None, dialing: Credentials | None = None, cost: CostModel | None = None,
+                 etcd: EtcdOptions | None = None):
         if not 0 < heartbeat_interval_s < ttl_s:
             raise ConfigError(f"need 0 < heartbeat_interval_s < ttl_s, got {heartbeat_interval_s} and {ttl_s}")
         self.host, self._port, self._metrics_port = host, port, metrics_port
@@ -88,6 +94,8 @@ class MasterServer:
         self._sweeper: threading.Thread | None = None
         self._kv_events_options = kv_events
         self._kv_events = None  # the KVEventsPublisher while started with kv_events
+        self._etcd_options = etcd
+        self.election: Election | None = None  # while started with etcd
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> MasterServer:
@@ -99,13 +107,36 @@ class MasterServer:
         except BaseException:
             self._stop_kv_events()
             raise
-        log.info("master listening on %s", self.address)
+        if self._etcd_options is not None:
+            self._start_election(self._etcd_options)
+        log.info("master listening on %s%s", self.address, " (standing by for leadership)" if self.election else "")
         return self
 
+    def _start_election(self, options: EtcdOptions) -> None:
+        from kvstore_client.etcd import Etcd
+
+        self.election = Election(Etcd(options.endpoints), options.prefix, options.advertise or self.address,
+                                 options.lease_ttl_s, on_elected=self.reset_state).start()
+
+    def reset_state(self) -> None:
+        """Forget every node (and so the whole index): what a master elected leader does first."""
+        for state in self.membership.nodes():
+            self.membership.remove(state.node_id)
+            if self.quotas is not None:
+                self.quotas.forget(state.node_id)
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this master serves: always without etcd, else while it leads."""
+        return self.election is None or self.election.is_leader()
+
     def _start_serving(self) -> None:
+        interceptors = [AuthGate(self.access)] if self.access is not None else []
+        if self._etcd_options is not None:  # the gate exists before the port opens; the campaign starts after
+            interceptors.append(LeaderGate(lambda: self.election))
         server = grpc.server(
             ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="master-rpc"),
-            interceptors=[AuthGate(self.access)] if self.access is not None else None,
+            interceptors=interceptors or None,
             options=[("grpc.so_reuseport", 0),  # a second master on a busy port must fail, not share it
                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
@@ -136,6 +167,9 @@ class MasterServer:
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop accepting RPCs, finish in-flight ones within ``grace`` seconds, stop the threads."""
         self._stopping.set()
+        if self.election is not None:  # resign first: a standby takes over while this one drains
+            self.election.stop()
+            self.election = None
         if self._server is not None:
             self._server.stop(grace).wait()
             self._server = None
@@ -209,6 +243,8 @@ class MasterServer:
              len(self.index.namespaces())),
             ("kvstore_master_replication_factor", "Default copies per put.", "gauge", {},
              self.placement.replication_factor),
+            ("kvstore_master_leader", "1 while this master serves (always without --etcd).", "gauge", {},
+             int(self.is_leader)),
         ]
         for node_id, per_tier in sorted(self.index.node_counts().items()):
             for tier, blocks in per_tier.items():
@@ -227,7 +263,7 @@ def run_master(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, ttl_s: floa
                metrics_port: int | None = None, grace_s: float = 2.0,
                on_ready: Callable[[MasterServer], None] | None = None,
                kv_events: KVEventsOptions | None = None, access: AccessList | None = None,
-               tls: ServerTLS | None = None) -> None:
+               tls: ServerTLS | None = None, etcd: EtcdOptions | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then shut down cleanly. Blocks.
 
     Signal handlers are installed only when called from the main thread (and
@@ -239,7 +275,7 @@ def run_master(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, ttl_s: floa
     signals = service_process()
     server = MasterServer(host, port, ttl_s=ttl_s, heartbeat_interval_s=heartbeat_interval_s,
                           replication_factor=replication_factor, metrics_port=metrics_port, kv_events=kv_events,
-                          access=access, tls=tls)
+                          access=access, tls=tls, etcd=etcd)
     try:
         server.start()
         if on_ready is not None:

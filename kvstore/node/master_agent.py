@@ -11,6 +11,10 @@ Every membership call carries this process's incarnation (a random secret,
 lease is live. A Register it refuses (ALREADY_EXISTS: another live process
 holds the id, e.g. the previous run of this node whose lease has not lapsed
 yet) is said once, clearly, and retried until the master accepts it.
+
+``master_address`` may be ``etcd://...`` (masters with a leader elected
+through etcd): the calls then follow the leader, and a new leader answers
+``known = false``, so the node registers with it and resends its inventory.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 import grpc
 
 from kvstore_client.client import GRPC_OPTIONS
+from kvstore_client.cluster_address import master_channel
 from kvstore_client.credentials import NO_CREDENTIALS, Credentials
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
@@ -64,7 +69,7 @@ class MasterAgent:
         self._unreachable = False  # said once, not on every retry
         self.refused: str | None = None  # why the master refuses this node id, while it does
         self._metadata = node_metadata(secrets.token_hex(16))  # this process's incarnation
-        self._channel = credentials.channel(master_address, GRPC_OPTIONS)
+        self._channel = master_channel(master_address, credentials, GRPC_OPTIONS)  # host:port or etcd://
         self._stub = pb_grpc.MasterStub(self._channel)
         self._events: collections.deque = collections.deque()
         self._flush_interval = flush_interval

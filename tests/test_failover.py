@@ -1,0 +1,89 @@
+"""Masters that survive failure, on a real etcd: two masters, a node and a verifying client.
+
+Skipped when no ``etcd`` binary is on PATH (scripts/test installs Debian's
+etcd-server when it runs as root). Lease TTLs of 2 s keep the file short.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from bench.etcd_process import etcd_binary
+from bench.failover import first_put, indexed, leader_of, one_run, run_cluster, wait_until, write_blocks, wrong_bytes
+from kvstore.master.election import LEADER_METADATA
+from kvstore_client import Client
+from kvstore_client.cluster_address import parse_etcd_address
+from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+
+needs_etcd = pytest.mark.skipif(etcd_binary() is None,
+                                reason="no etcd binary on PATH (apt-get install etcd-server; scripts/test does it as root)")
+
+
+def test_etcd_addresses_parse():
+    assert parse_etcd_address("etcd://a:1,b:2") == (["a:1", "b:2"], "/kvstore")
+    assert parse_etcd_address("etcd://a:1/team/") == (["a:1"], "/team")
+    with pytest.raises(ValueError):
+        parse_etcd_address("etcd://nohostport")
+
+
+@needs_etcd
+def test_leader_kill_standby_takes_over_with_a_complete_index(tmp_path):
+    figures = one_run(tmp_path, lease_ttl=2, count=32)
+    print("failover:", figures)
+    assert figures["new_leader"]
+    assert figures["wrong_bytes"] == 0 and figures["missing_blocks"] == 0
+    assert figures["put_s"] < 10 and figures["index_s"] < 12
+
+
+def _register(address: str) -> grpc.RpcError | None:
+    """A mutating RPC sent straight to one master; the error it got (None: it was served)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            pb_grpc.MasterStub(channel).Register(pb.RegisterRequest(info=pb.NodeInfo(
+                node_id="intruder", data_address="127.0.0.1:1")), timeout=5)
+        except grpc.RpcError as exc:
+            return exc
+    return None
+
+
+@needs_etcd
+def test_paused_leader_does_not_serve_when_resumed(tmp_path):
+    with run_cluster(tmp_path, lease_ttl=2) as (etcd, (first, second), node, address):
+        assert _register(second.record["master"]).code() == grpc.StatusCode.UNAVAILABLE  # a standby refuses
+        first.signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: leader_of(etcd.endpoint) == second.record["master"], 15)
+        finally:
+            first.signal(signal.SIGCONT)
+        refused = _register(first.record["master"])  # at once: before its election thread has caught up
+        assert refused is not None and refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+        time.sleep(0.5)  # and later, once it has read etcd: it names the new leader
+        refused = _register(first.record["master"])
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        assert dict(refused.trailing_metadata()).get(LEADER_METADATA) == second.record["master"]
+        with Client(address, timeout=10) as client:  # the cluster itself serves, through the new leader
+            blocks = write_blocks(client, 4, b"new")
+            assert wrong_bytes(client, blocks) == (0, 0)
+
+
+@needs_etcd
+def test_masters_recover_when_etcd_restarts(tmp_path):
+    with run_cluster(tmp_path, lease_ttl=2) as (etcd, masters, node, address):
+        with Client(address, timeout=10) as client, Client(address, timeout=10) as checker:
+            blocks = write_blocks(client, 8, b"before")
+            wait_until(lambda: indexed(checker, blocks), 15)
+            etcd.stop()
+            time.sleep(3)  # past the lease: no master can prove it leads
+            for master in masters:
+                assert _register(master.record["master"]).code() == grpc.StatusCode.UNAVAILABLE
+            etcd.start()
+            first_put(client, ("after-restart", b"x" * 16), os.urandom(1024), 30)
+            wait_until(lambda: indexed(checker, blocks), 20)
+            assert leader_of(etcd.endpoint) in {m.record["master"] for m in masters}
+            assert wrong_bytes(checker, blocks) == (0, 0)
