@@ -1,7 +1,7 @@
 """Cost model of the conductor: prefill time, KV transfer time, decode step time.
 
 Every number is a field of :class:`CostParams`; the defaults describe
-LLaMA3-70B served on 8xA800 nodes as in FAST'25 §3-4 (DESIGN.md, "Cost model"):
+LLaMA3-70B served on 8xA800 nodes as in FAST'25 §3-4 (docs/scheduling.md, "The cost model"):
 
 - prefill FLOPs of ``n`` tokens: ``flops(n) = l*(a*n^2*d + b*n*d^2)`` with
   l=80, d=8192, a=4, b=22; a prefill instance is one node, peak
