@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("aiohttp")
 
 from kvstore.router.server import Router, build_app  # noqa: E402
+from tests.processes import wait_for  # noqa: E402
 from tests.router_fakes import FakeBackend, Served, fake_engine  # noqa: E402
 
 
@@ -115,7 +116,7 @@ def test_streams_are_relayed_as_server_sent_events(stack):
     events = sse_events(data)
     assert events[-1] == "data: [DONE]"
     assert [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1]] == [" w0", " w1", " w2"]
-    assert backend.reports[-1] == "decode_finished"
+    wait_for(lambda: backend.reports[-1:] == ["decode_finished"])   # reported once the stream has ended
 
 
 def test_an_engine_dying_mid_stream_ends_it_with_an_error_event(stack):
@@ -128,7 +129,7 @@ def test_an_engine_dying_mid_stream_ends_it_with_an_error_event(stack):
     assert events[0].startswith("data: ") and events[-1] == "data: [DONE]"
     assert events[-2].startswith("event: error\ndata: ")
     assert json.loads(events[-2].split("data: ", 1)[1])["error"]["code"] == 502
-    assert backend.reports[-1] == "cancelled"
+    wait_for(lambda: backend.reports[-1:] == ["cancelled"])
 
 
 def test_a_stalled_engine_times_out_instead_of_hanging(stack):
@@ -158,3 +159,50 @@ def test_models_health_and_metrics(stack):
         text = resp.read().decode()
     assert 'kvstore_router_requests_total{outcome="ok"} 1' in text
     assert "kvstore_router_prefix_tokens_total 4" in text
+
+
+def test_connector_role_keys_are_checked_at_start():
+    from kvstore_client.errors import ConfigError
+    from kvstore_client.vllm.engines import conductor_ids, engine_of
+    from kvstore_client.vllm.settings import read_settings
+
+    s = read_settings({"master": "m:1", "role": "prefill", "engine_url": "http://h:8001/"}, "kv_both")
+    assert (s.role, s.engine_url, s.engine_id, s.load_report_interval) == ("prefill", "http://h:8001",
+                                                                           "http://h:8001", 0.5)
+    assert read_settings({"master": "m:1"}, "kv_both").role is None
+    for extra, message in (({"role": "decode"}, "engine_url"), ({"role": "mixed", "engine_url": "http://h:1"}, "role"),
+                           ({"engine_url": "h:1"}, "engine_url"), ({"engine_url": "http://h:1", "engine_id": "a#b"},
+                                                                    "engine_id"),
+                           ({"load_report_interval": 0}, "load_report_interval"), ({"rol": "decode"}, "unknown")):
+        with pytest.raises(ConfigError, match=message):
+            read_settings({"master": "m:1", **extra}, "kv_both")
+    assert conductor_ids("E", "both") == {"prefill": "E#prefill", "decode": "E#decode"}
+    assert engine_of("E#decode") == "E" and conductor_ids("E", "decode") == {"decode": "E"}
+
+
+def test_an_engine_registers_on_a_live_node_of_its_own_machine_first():
+    from kvstore_client.errors import KVStoreError
+    from kvstore_client.proto import kvstore_pb2 as pb
+    from kvstore_client.vllm.engines import local_node
+
+    def status(*nodes):
+        return pb.ClusterStatusReply(nodes=[pb.NodeStatus(info=pb.NodeInfo(node_id=n, machine_id=m), alive=a)
+                                            for n, m, a in nodes])
+
+    assert local_node(status(("a", "other", True), ("b", "me", False), ("c", "me", True)), "me") == "c"
+    assert local_node(status(("a", "other", True)), "me") == "a"
+    with pytest.raises(KVStoreError):
+        local_node(status(("a", "me", False)), "me")
+
+
+def test_the_load_tracker_counts_waiting_and_running_requests():
+    from types import SimpleNamespace
+
+    from kvstore_client.vllm.engines import LoadTracker
+
+    tracker = LoadTracker()
+    a, b = SimpleNamespace(request_id="a", num_tokens=100), SimpleNamespace(request_id="b", num_tokens=40)
+    tracker.seen(a), tracker.seen(b), tracker.allocated(a), tracker.seen(a)   # seen again: still running
+    assert tracker.load() == {"queue_length": 2, "running_batch": 1, "context_tokens": 100}
+    tracker.finished("a"), tracker.finished("b")
+    assert tracker.load() == {"queue_length": 0, "running_batch": 0, "context_tokens": 0}
