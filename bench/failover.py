@@ -16,7 +16,9 @@ index holds them; then SIGKILLs the leader and measures
 
 and checks every byte read back (``wrong_bytes`` must be 0). Figures are
 p50 and p99 over the runs (with few runs p99 is the worst run). Both times are
-bounded below by the lease TTL: etcd deletes the key only when the lease lapses.
+governed by the lease TTL: etcd deletes the key when the lease lapses, TTL after
+the dead leader's last keep-alive (sent every TTL/3), so between 2/3 TTL and TTL
+after the kill, plus the standby's next poll (100 ms) and the node's re-registration.
 ``run_cluster`` and ``Kvstore`` are reused by tests/test_failover.py.
 """
 
