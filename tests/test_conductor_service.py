@@ -146,3 +146,25 @@ def test_the_request_ttl_is_a_master_option():
         assert server.conductor.conductor(NS).request_ttl == 7.5
     finally:
         server.stop()
+
+
+def test_calls_naming_new_namespaces_keep_no_conductor(serve):
+    """Regression (bench.fuzz): Schedule, ReportEngineLoad, ReportRequest and DeregisterEngine on a
+    namespace no engine registered in keep nothing in the master (each kept a Conductor, ~2.5 KB,
+    so a caller naming ever new namespaces grew the master without bound); RegisterEngine keeps one."""
+    calls, servicer, _, address = serve()
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.ConductorStub(channel)
+        for i in range(50):
+            ns = f"new-{i}"
+            for call in (lambda: stub.Schedule(pb.ScheduleRequest(namespace=ns, digests=[b"d" * 16], input_length=8)),
+                         lambda: stub.ReportEngineLoad(pb.EngineLoad(namespace=ns, engine_id="e")),
+                         lambda: stub.ReportRequest(pb.RequestEvent(namespace=ns, request_id="r")),
+                         lambda: stub.DeregisterEngine(pb.EngineDeregistration(namespace=ns, engine_id="e"))):
+                try:
+                    call()
+                except grpc.RpcError as exc:
+                    assert exc.code() != grpc.StatusCode.UNKNOWN, exc
+    assert servicer._conductors == {}
+    engines(calls)
+    assert list(servicer._conductors) == [NS]
