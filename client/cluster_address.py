@@ -81,12 +81,13 @@ class LeaderChannel(grpc.Channel):
     def leader(self) -> str | None:
         return self._address
 
-    def current(self) -> tuple[grpc.Channel, int]:
-        """The channel to the leader (resolving it when marked stale) and its generation."""
+    def current(self, resolve: bool = True) -> tuple[grpc.Channel, int]:
+        """The channel to the leader (looked up again when marked stale, unless not ``resolve``
+        and there is one) and its generation; NoLeader when etcd names none."""
         with self._lock:
             if self._closed:
                 raise ValueError("Cannot invoke RPC on closed channel!")
-            if not self._stale and self._channel is not None:
+            if (not self._stale or not resolve) and self._channel is not None:
                 return self._channel, self._generation
         try:
             held = self._etcd.get(self._key)
@@ -184,6 +185,40 @@ class _Unavailable(grpc.RpcError, grpc.Call):
         return f"UNAVAILABLE: {self._details}"
 
 
+class _Failed(grpc.Future):
+    """A future that failed before it started."""
+
+    def __init__(self, error: grpc.RpcError):
+        self._error = error
+
+    def cancel(self):
+        return False
+
+    def cancelled(self):
+        return False
+
+    def running(self):
+        return False
+
+    def done(self):
+        return True
+
+    def result(self, timeout=None):
+        raise self._error
+
+    def exception(self, timeout=None):
+        return self._error
+
+    def traceback(self, timeout=None):
+        return None
+
+    def add_done_callback(self, fn):
+        fn(self)
+
+    def code(self):
+        return self._error.code()
+
+
 class _FollowingCall:
     """A unary-unary multicallable that follows the leader (retries UNAVAILABLE on the new one)."""
 
@@ -192,8 +227,8 @@ class _FollowingCall:
         self._kwargs = kwargs
         self._calls: dict[int, object] = {}  # generation -> multicallable on that channel
 
-    def _callable(self):
-        channel, generation = self._owner.current()
+    def _callable(self, resolve: bool = True):
+        channel, generation = self._owner.current(resolve)
         call = self._calls.get(generation)
         if call is None:
             call = channel.unary_unary(self._method, *self._args, **self._kwargs)
@@ -226,10 +261,12 @@ class _FollowingCall:
         return call.with_call(request, timeout=timeout, **kwargs)
 
     def future(self, request, timeout=None, **kwargs):
+        """Never blocks on etcd (it may be called under a lock; the last known leader is used)
+        and never raises: a failed future when no leader was ever found."""
         try:
-            call, generation = self._callable()
+            call, generation = self._callable(resolve=False)
         except NoLeader as exc:
-            raise _Unavailable(str(exc)) from None
+            return _Failed(_Unavailable(str(exc)))
         future = call.future(request, timeout=timeout, **kwargs)
 
         def on_done(f):

@@ -87,3 +87,34 @@ def test_masters_recover_when_etcd_restarts(tmp_path):
             wait_until(lambda: indexed(checker, blocks), 20)
             assert leader_of(etcd.endpoint) in {m.record["master"] for m in masters}
             assert wrong_bytes(checker, blocks) == (0, 0)
+
+
+@needs_etcd
+def test_the_auth_gate_applies_to_standbys_before_the_leader_gate(tmp_path):
+    from access_files import ADMIN, access_list
+    from bench.etcd_process import EtcdProcess
+    from kvstore.master.election import EtcdOptions
+    from kvstore.master.server import MasterServer
+    from kvstore_client.auth import bearer_metadata
+
+    with EtcdProcess(tmp_path) as etcd:
+        options = EtcdOptions(etcd.endpoint, "/auth-test", lease_ttl_s=2)
+        leader = MasterServer(access=access_list(tmp_path), etcd=options).start()
+        try:
+            wait_until(lambda: leader.is_leader, 10)
+            standby = MasterServer(access=access_list(tmp_path), etcd=options).start()
+            try:
+                with grpc.insecure_channel(standby.address) as channel:
+                    stub = pb_grpc.MasterStub(channel)
+                    with pytest.raises(grpc.RpcError) as anonymous:
+                        stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+                    assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    with pytest.raises(grpc.RpcError) as admin:
+                        stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5, metadata=(bearer_metadata(ADMIN),))
+                    assert admin.value.code() == grpc.StatusCode.UNAVAILABLE
+                leader.stop()  # resigns: the standby takes over within a poll, not a TTL
+                wait_until(lambda: standby.is_leader, 2)
+            finally:
+                standby.stop()
+        finally:
+            leader.stop()
