@@ -23,6 +23,7 @@ LOWEST = {
     ("node", "idle_timeout"): 0, ("up", "idle_timeout"): 0,  # 0: never
     ("node", "lease_ttl"): 0, ("up", "lease_ttl"): 0,  # 0: leases never expire
     ("token", "quota"): 0,
+    ("router", "port"): 0, ("router", "index_wait"): 0,  # 0: any free port; do not wait for the index
 }
 PORTS = {"port", "data_port", "metrics_port"}
 

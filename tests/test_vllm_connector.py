@@ -98,7 +98,10 @@ def locally_cached(prompt: list[int], block_size: int) -> int:
 
 
 # every block size in fp32, and bf16 once (each case starts two engines: CI time is the limit)
-@pytest.mark.parametrize("dtype,block_size", [("float32", 32), ("float32", 64), ("float32", 128), ("bfloat16", 64)])
+# Two cases in the default suite (each dtype once); the other block sizes with -m slow, to keep CI short.
+@pytest.mark.parametrize("dtype,block_size", [("float32", 32), pytest.param("float32", 64, marks=pytest.mark.slow),
+                                              pytest.param("float32", 128, marks=pytest.mark.slow),
+                                              ("bfloat16", 64)])
 def test_a_fresh_engine_loads_the_prefix_another_engine_stored(engines, pool, dtype, block_size):
     want = reference(engines, dtype)
     namespace = f"fresh-{dtype}-{block_size}"
@@ -123,6 +126,7 @@ def test_the_default_multiprocess_engine_loads_from_the_pool(engines, pool):
     assert_same_answers(loaded, want, "float32")
 
 
+@pytest.mark.slow  # two workers on two cores: two minutes here; run with -m slow
 def test_tensor_parallel_ranks_store_and_load_their_own_heads(engines, pool):
     """Two ranks (worker processes, one core each): each keeps its KV heads under keys of its
     own, and a fresh engine of the same shape loads both ranks' halves."""
@@ -152,6 +156,7 @@ def both_at_once(*calls) -> list:
     return results
 
 
+@pytest.mark.slow  # run with -m slow (CI keeps to twenty minutes on two cores)
 def test_two_engines_share_one_pool_at_the_same_time(engines, pool):
     want = reference(engines, "float32")
     first, second = (engines.start(master=pool["address"], namespace="shared") for _ in range(2))

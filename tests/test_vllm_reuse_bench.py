@@ -7,7 +7,7 @@ import json
 import pytest
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a benchmark run (two minutes here): -m slow
 
 
 def test_the_reuse_benchmark_runs_small(capsys, monkeypatch):
