@@ -244,6 +244,18 @@ class ClusterStatusReply(_message.Message):
     replication_factor: int
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., indexed_keys: _Optional[int] = ..., replication_factor: _Optional[int] = ...) -> None: ...
 
+class DeregisterRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
 class ListKeysRequest(_message.Message):
     __slots__ = ("namespace", "limit", "start_after")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

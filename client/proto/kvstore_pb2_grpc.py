@@ -74,6 +74,11 @@ class MasterStub:
                 request_serializer=kvstore__pb2.ListKeysRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.ListKeysReply.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/kvstore.v1.Master/Deregister',
+                request_serializer=kvstore__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.DeregisterReply.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -127,6 +132,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deregister(self, request, context):
+        """A node leaving cleanly: it is dropped at once with its blocks (no waiting for its lease).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +181,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ListKeys,
                     request_deserializer=kvstore__pb2.ListKeysRequest.FromString,
                     response_serializer=kvstore__pb2.ListKeysReply.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=kvstore__pb2.DeregisterRequest.FromString,
+                    response_serializer=kvstore__pb2.DeregisterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +404,33 @@ class Master:
             '/kvstore.v1.Master/ListKeys',
             kvstore__pb2.ListKeysRequest.SerializeToString,
             kvstore__pb2.ListKeysReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Master/Deregister',
+            kvstore__pb2.DeregisterRequest.SerializeToString,
+            kvstore__pb2.DeregisterReply.FromString,
             options,
             channel_credentials,
             insecure,

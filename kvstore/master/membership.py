@@ -195,11 +195,16 @@ class Membership:
                 self.index.drop_node(node_id)
             return dead
 
-    def remove(self, node_id: str) -> bool:
-        """Drop one node now (a clean shutdown), with its blocks. False if unknown."""
+    def remove(self, node_id: str, credential: str | None = None) -> bool:
+        """Drop one node now (a clean shutdown), with its blocks. False if unknown. With a
+        ``credential``, only the one that registered the node may: NodeIdInUse otherwise."""
         with self._lock:
-            if self._nodes.pop(node_id, None) is None:
+            held = self._nodes.get(node_id)
+            if held is None:
                 return False
+            if credential is not None and not _same(held.credential, credential):
+                raise NodeIdInUse(f"node id {node_id!r} was registered by another process: not removed")
+            del self._nodes[node_id]
             self.index.drop_node(node_id)
             return True
 

@@ -181,6 +181,16 @@ class MasterServicer(pb_grpc.MasterServicer):
                                        credential=credential_of(context))
         return pb.ReportReply(known=known)
 
+    @_rpc
+    def Deregister(self, request, context):
+        check_node_id(request.node_id)
+        known = self.membership.remove(request.node_id, credential=credential_of(context))
+        if known and self.quotas:
+            self.quotas.forget(request.node_id)
+        if known:
+            log.info("node %s left (deregistered) with its blocks", request.node_id)
+        return pb.DeregisterReply(known=known)
+
     # -- lookups -----------------------------------------------------------------------------
     @_rpc
     def Locate(self, request, context):

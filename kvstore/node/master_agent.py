@@ -85,8 +85,17 @@ class MasterAgent:
         return self
 
     def stop(self) -> None:
+        """Stop reporting and leave the pool: the master drops this node and its blocks at once
+        (rather than when its lease runs out), so no client is placed on it or sent to it."""
         self._stop.set()
         self._thread.join()
+        if self._registration.is_set():
+            try:
+                self._stub.Deregister(pb.DeregisterRequest(node_id=self.info.node_id), timeout=2,
+                                      metadata=self._metadata)
+            except grpc.RpcError as exc:
+                log.info("could not deregister from the master (%s): it drops this node when its lease lapses",
+                         exc.code())
         self._channel.close()
 
     @property

@@ -24,6 +24,7 @@ METHOD_ROLES: dict[str, frozenset] = {
     "Master/Register": _MEMBERSHIP,
     "Master/Heartbeat": _MEMBERSHIP,
     "Master/ReportBlocks": _MEMBERSHIP,
+    "Master/Deregister": _MEMBERSHIP,
     "Master/Locate": _DATA,
     "Master/MatchPrefix": _DATA,
     "Master/Place": _DATA,
