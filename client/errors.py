@@ -93,7 +93,7 @@ class Overloaded(KVStoreError):
     """The conductor rejected a request to protect its SLOs (the HTTP 429 of the store).
 
     ``reason`` says which check failed: ttft_slo, decode_overloaded,
-    decode_predicted_overloaded or no_instance; the SDK takes it from the
+    decode_predicted_overloaded, no_instance or too_many_requests; the SDK takes it from the
     master's structured reply, and the message is for people.
     """
 

@@ -196,6 +196,9 @@ def scheduling_options(f):
         click.option("--tbt-slo", type=POSITIVE_FLOAT, default=float("inf"), help="TBT SLO in seconds (default: none)."),
         click.option("--request-ttl", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,
                      help="Seconds a scheduled request lives without a lifecycle report before it is forgotten."),
+        click.option("--max-requests", type=click.IntRange(min=1), default=100_000, show_default=True,
+                     help="Requests in flight per namespace; past it Schedule rejects (too_many_requests), so "
+                          "callers that never report keep the master's memory bounded."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -371,7 +374,7 @@ def master(host, port, metrics_port, ttl, replicas, etcd_endpoints, etcd_prefix,
 
 def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcache_centric",
                  admission="prediction", ttft_slo=float("inf"), tbt_slo=float("inf"), kv_events=None,
-                 request_ttl=3600.0, security=None, cost=None, etcd=None):
+                 request_ttl=3600.0, security=None, cost=None, etcd=None, max_requests=100_000):
     from kvstore.master.conductor_service import SchedulingOptions
     from kvstore.master.server import MasterServer
 
@@ -383,7 +386,7 @@ def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcac
                 security.check_unguarded(endpoint[len("tcp://"):].rsplit(":", 1)[0], "KV events endpoint")
 
     scheduling = SchedulingOptions(policy=schedule_policy, admission=admission, ttft_slo_s=ttft_slo,
-                                   tbt_slo_s=tbt_slo, request_ttl_s=request_ttl)
+                                   tbt_slo_s=tbt_slo, request_ttl_s=request_ttl, max_requests=max_requests)
     return MasterServer(host=host, port=port, ttl_s=ttl, heartbeat_interval_s=min(1.0, ttl / 3),
                         replication_factor=replicas, scheduling=scheduling, kv_events=kv_events,
                         metrics_port=None if metrics_port < 0 else metrics_port, access=security.access,

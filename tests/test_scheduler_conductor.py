@@ -304,3 +304,17 @@ def test_schedule_is_thread_safe():
     loads = c.loads()["prefill"]
     assert sum(v["assigned"] for v in loads.values()) == 1600
     assert sum(c.registry.prefill[p].queued_s for p in loads) == pytest.approx(sum(d.service_s for d in decisions))
+
+
+def test_requests_in_flight_are_capped_so_silent_callers_cannot_grow_the_master():
+    from kvstore.master.index import PrefixIndex
+    from kvstore.scheduler.conductor import Conductor, Rejected, RejectReason
+
+    conductor = Conductor(PrefixIndex(), max_requests=2)
+    conductor.register_prefill("p0", "node-a")
+    conductor.register_decode("d0", "node-a")
+    first, second = (conductor.schedule([], 100, 10, now=0.0) for _ in range(2))
+    third = conductor.schedule([], 100, 10, now=0.0)
+    assert isinstance(third, Rejected) and third.reason is RejectReason.TOO_MANY_REQUESTS
+    assert conductor.cancel(first.request_id, now=0.0)
+    assert not isinstance(conductor.schedule([], 100, 10, now=0.0), Rejected)

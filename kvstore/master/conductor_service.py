@@ -21,7 +21,7 @@ from kvstore.master.index import PrefixIndex
 from kvstore.master.replicator import Replicator
 from kvstore.master.service import _rpc
 from kvstore.scheduler.clock import Clock
-from kvstore.scheduler.conductor import Conductor, Decision, Rejected
+from kvstore.scheduler.conductor import DEFAULT_MAX_REQUESTS, Conductor, Decision, Rejected
 from kvstore.scheduler.cost_model import CostModel
 from kvstore.security.grpc_gate import require_namespace
 from kvstore_client.errors import ConfigError, Overloaded
@@ -43,6 +43,7 @@ class SchedulingOptions:
     tbt_slo_s: float = float("inf")
     balancing_threshold: int = 0
     request_ttl_s: float = 3600.0   # a request with no report this long is forgotten (lost engine or client)
+    max_requests: int = DEFAULT_MAX_REQUESTS  # in flight per namespace; past it Schedule rejects
 
     def __post_init__(self) -> None:
         if not self.request_ttl_s > 0:
@@ -83,7 +84,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                 conductor = Conductor(
                     self._index, self._cost, policy=o.policy, admission=o.admission, ttft_slo=o.ttft_slo_s,
                     tbt_slo=o.tbt_slo_s, namespace=namespace, balancing_threshold=o.balancing_threshold,
-                    request_ttl=o.request_ttl_s, clock=self._clock)
+                    request_ttl=o.request_ttl_s, clock=self._clock, max_requests=o.max_requests)
                 if create:
                     self._conductors[namespace] = conductor
             return conductor

@@ -54,6 +54,7 @@ from kvstore_client.errors import ConfigError
 from kvstore_client.keys import digest_of
 
 INF = math.inf
+DEFAULT_MAX_REQUESTS = 100_000  # requests in flight per namespace; past it, schedule rejects
 
 
 class RejectReason(str, Enum):
@@ -61,6 +62,7 @@ class RejectReason(str, Enum):
     DECODE_OVERLOADED = "decode_overloaded"        # the decode instance (pool, at arrival) is at its limit now
     DECODE_PREDICTED = "decode_predicted_overloaded"  # predicted decode load too high at arrival in decode
     NO_INSTANCE = "no_instance"                    # no prefill or decode instance registered
+    TOO_MANY_REQUESTS = "too_many_requests"        # max_requests already in flight: memory stays bounded
 
 
 @dataclass(frozen=True)
@@ -127,9 +129,13 @@ class Conductor:
     def __init__(self, index: PrefixIndex, cost: CostModel | None = None, *, policy: str = "kvcache_centric",
                  admission: str = "off", ttft_slo: float = INF, tbt_slo: float = INF,
                  namespace: str = "default", clock: Clock | None = None, seed: int = 0,
-                 balancing_threshold: int = 0, request_ttl: float = INF) -> None:
+                 balancing_threshold: int = 0, request_ttl: float = INF,
+                 max_requests: int = DEFAULT_MAX_REQUESTS) -> None:
         if not request_ttl > 0:
             raise ConfigError(f"request_ttl must be positive, got {request_ttl}")
+        if max_requests < 1:
+            raise ConfigError(f"max_requests must be at least 1, got {max_requests}")
+        self.max_requests = int(max_requests)
         self.index = index
         self.cost = cost or CostModel()
         self.policy = make_prefill_policy(policy, seed=seed, balancing_threshold=balancing_threshold)
@@ -223,6 +229,9 @@ class Conductor:
                 request_id = next(self._ids)
             elif request_id in self._requests:
                 raise InvalidRequest(f"request {request_id!r} is already scheduled")
+            if len(self._requests) >= self.max_requests:  # callers that never report must not grow the master
+                return Rejected(request_id, RejectReason.TOO_MANY_REQUESTS, "arrival",
+                                detail=f"{len(self._requests)} requests in flight in namespace {self.namespace!r}")
             instances = self.registry.prefill_instances()
             if not instances:
                 return Rejected(request_id, RejectReason.NO_INSTANCE, "arrival", detail="no prefill instance")
