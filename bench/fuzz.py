@@ -44,7 +44,6 @@ import argparse
 import collections
 import json
 import multiprocessing
-import os
 import random
 import selectors
 import socket

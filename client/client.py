@@ -164,7 +164,7 @@ class Client:
                 results = self._on_node(primary, lambda c: c.put_many(items, wait))
             except KVStoreError as exc:  # nothing of this group, or the next ones, is known stored
                 failures.extend((keys[i], node_id, exc) for _, rest in groups[g:] for i in rest)
-                raise _put_stopped(exc, stored, failures, len(keys))
+                raise _put_stopped(exc, stored, failures, len(keys)) from None
             refused = [(i, e) for i, e in zip(idx, results) if e is not None]
             if refused:
                 first = first or refused[0][1]

@@ -606,7 +606,7 @@ class DataPlaneConnection:
         with self._stream():
             for chunk in chunks:
                 self._defer(send(chunk), [ready[i][0] for i in chunk],
-                            lambda request_id, n=len(chunk): self._status_list(Op.PUT, request_id, n))
+                            lambda request_id, n=len(chunk): self._status_list(Op.PUT, request_id, n))  # noqa: B008
 
     def _statuses(self, op: int, chunk: list[int], request_id: int, out: list) -> None:
         """Read a reply of one status byte per item into ``out[i]`` for i in chunk."""
@@ -733,4 +733,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DataPlaneConnection", "ShmConnection", "ShmLease", "TcpConnection", "UnixConnection"]
+__all__ = ["DataPlaneConnection", "ShmConnection", "ShmLease", "TcpConnection", "UnixConnection"]  # noqa: F822 (__getattr__)

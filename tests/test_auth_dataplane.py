@@ -45,7 +45,7 @@ from kvstore_client.wire import (
     put_entry,
 )
 from tests.access_files import ADMIN, NODE, NS_A, NS_B, TENANT_A, TENANT_B, WRONG, write_access_file
-from tests.processes import recv_exact, start_master
+from tests.processes import start_master
 from tests.test_transport_limits import NodeProcess, assert_no_traceback, closed, expect_error, read_reply
 
 KiB = 1 << 10

@@ -9,7 +9,7 @@ import pytest
 
 from kvstore_client import AsyncClient, BlockHasher, Client, PrefixMatch
 from kvstore_client.client import with_cached_locations
-from kvstore_client.errors import BufferTooSmall, InvalidKey, InvalidValue, PutFailed, ServiceUnavailable
+from kvstore_client.errors import BufferTooSmall, InvalidKey, InvalidValue, ServiceUnavailable
 from kvstore.benchmark import embedded_pool
 from tests.conftest import value_for
 from tests.processes import wait_for

@@ -124,7 +124,7 @@ def test_every_call_on_a_closed_client_raises_client_closed(tmp_path):
         calls += [(f"scheduling.{name}", getattr(client.scheduling, name))
                   for name in _public_calls(type(client.scheduling))]
         assert len(calls) > 15 and issubclass(ClientClosed, KVStoreError)
-        for name, method in calls:
+        for _name, method in calls:
             with pytest.raises(ClientClosed):
                 method(**_arguments(method, hasher))
 

@@ -17,7 +17,7 @@ from kvstore.node.tenant_usage import TenantUsage
 from kvstore.security.access import AccessList
 from kvstore_client.client import Client
 from kvstore_client.credentials import Credentials
-from kvstore_client.errors import CapacityError, QuotaExceeded
+from kvstore_client.errors import QuotaExceeded
 
 MiB = 1 << 20
 NODE, ACME, GLOBEX = "node-token-0123456789abcdef", "acme-token-0123456789abcd", "globex-token-0123456789ab"

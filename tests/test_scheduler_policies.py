@@ -108,7 +108,7 @@ def test_cache_aware_prefers_a_partial_local_prefix_among_idle_instances():
 
 def test_load_balance_picks_the_fewest_assigned_requests():
     c = make("load_balance")
-    for i in range(3):  # p0..p2 get one request each, in some order; p3 is then the only empty one
+    for _ in range(3):  # p0..p2 get one request each, in some order; p3 is then the only empty one
         c.schedule(BLOCKS, INPUT, 100, now=0.0)
     loads = {k: v["assigned"] for k, v in c.loads(0.0)["prefill"].items()}
     assert sorted(loads.values()) == [0, 1, 1, 1]

@@ -33,7 +33,6 @@ from kvstore_client.wire import (
     KEYLESS_OPS,
     PUT_ENTRY,
     RESERVE_ENTRY,
-    U64,
     Op,
     Status,
     error_for,
