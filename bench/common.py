@@ -42,3 +42,15 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02):
+    """Poll until ``predicate()`` is truthy and return its value; TimeoutError past ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout} s")
+        time.sleep(interval)

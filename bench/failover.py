@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import wait_until
 from bench.etcd_process import EtcdProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,15 +86,6 @@ def leader_of(etcd_endpoint: str, prefix: str = "/kvstore") -> str | None:
         etcd.close()
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout} s")
-        time.sleep(interval)
 
 
 @contextlib.contextmanager

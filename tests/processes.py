@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,11 +81,9 @@ def recv_exact(sock, n: int) -> bytes:
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
     """Poll until ``predicate()`` is truthy; return its value or fail the test."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)
+    from bench.common import wait_until
+
+    try:
+        return wait_until(predicate, timeout, interval)
+    except TimeoutError:
+        raise AssertionError(f"condition not met within {timeout}s") from None

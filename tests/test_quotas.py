@@ -18,6 +18,7 @@ from kvstore.security.access import AccessList
 from kvstore_client.client import Client
 from kvstore_client.credentials import Credentials
 from kvstore_client.errors import QuotaExceeded
+from processes import wait_for
 
 MiB = 1 << 20
 NODE, ACME, GLOBEX = "node-token-0123456789abcdef", "acme-token-0123456789abcd", "globex-token-0123456789ab"
@@ -114,13 +115,6 @@ def held_across(nodes) -> int:
     return sum(node.server.usage.held()["acme"] for node in nodes)
 
 
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.parametrize("data_path", ["tcp", "shm"])
