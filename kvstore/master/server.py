@@ -44,6 +44,7 @@ from kvstore.master.membership import Membership
 from kvstore.master.placement import Placement
 from kvstore.master.quotas import Quotas
 from kvstore.master.replicator import Replicator
+from kvstore.master.rpc_handlers import add_services
 from kvstore.master.service import MasterServicer
 from kvstore.metrics import MetricsServer, Sample
 from kvstore.security.access import AccessList
@@ -51,7 +52,7 @@ from kvstore.security.grpc_gate import AuthGate
 from kvstore.security.tls import ServerTLS
 from kvstore_client.credentials import NO_CREDENTIALS, Credentials
 from kvstore_client.errors import ConfigError
-from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +141,7 @@ class MasterServer:
             options=[("grpc.so_reuseport", 0),  # a second master on a busy port must fail, not share it
                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-        pb_grpc.add_MasterServicer_to_server(self.servicer, server)
-        pb_grpc.add_ConductorServicer_to_server(self.conductor, server)
+        add_services(server, {"Master": self.servicer, "Conductor": self.conductor})
         target = f"[{self.host}]:{self._port}" if ":" in self.host else f"{self.host}:{self._port}"
         try:
             if self.tls is not None:
