@@ -1,10 +1,14 @@
 """Flat byte views of caller buffers (bytes, bytearray, memoryview, numpy, torch), and the
-bytes objects that reads returning bytes receive into."""
+bytes objects that reads returning bytes receive into.
+
+``byte_view`` is host memory only; ``buffer_view``, what the SDK's data path takes, also
+makes a ``DeviceView`` of a CUDA tensor (``kvstore_client.cuda``)."""
 
 from __future__ import annotations
 
 import ctypes
 
+from kvstore_client.cuda import DeviceView, device_view
 from kvstore_client.errors import InvalidValue
 
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # (NULL, n): a bytes object to fill
@@ -34,10 +38,23 @@ def byte_view(obj: object, *, writable: bool = False) -> memoryview:
     return mv
 
 
+def buffer_view(obj: object, *, writable: bool = False):
+    """``byte_view(obj)``, except for a torch tensor in device memory: a DeviceView of a CUDA
+    tensor (DeviceUnavailable for any other device, or a CUDA device this process cannot use;
+    InvalidValue when not contiguous). A DeviceView is returned as it is."""
+    kind = type(obj)
+    if kind is DeviceView:
+        return obj
+    if kind.__module__.startswith("torch") and obj.device.type != "cpu":
+        return device_view(obj)
+    return byte_view(obj, writable=writable)
+
+
 def _torch_bytes(tensor):  # pragma: no cover - exercised only where torch is installed
     """A CPU tensor's storage as a numpy uint8 view (no copy)."""
     if tensor.device.type != "cpu":
-        raise InvalidValue("only CPU tensors can be read or written directly; copy to host first")
+        raise InvalidValue(f"a tensor on {tensor.device}: only host memory here (the SDK's data path, "
+                           "buffer_view, takes CUDA tensors too)")
     if not tensor.is_contiguous():
         raise InvalidValue("tensor must be contiguous")
     import torch

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import xxhash
 
+from kvstore_client.cuda import DeviceView
+
 CHUNK = 1 << 20  # bytes hashed, then copied, at a time: one core's L2 cache here
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -44,9 +46,13 @@ def copy_with_checksum(dst: memoryview, src: memoryview) -> int:
     return hasher.intdigest()
 
 
-def copy_verified(dst: memoryview, src: memoryview, checksum: int, verify: bool) -> bool:
+def copy_verified(dst, src: memoryview, checksum: int, verify: bool) -> bool:
     """Copy ``src`` into ``dst``: whether its bytes match ``checksum`` (always True
-    without ``verify``, which then copies without hashing)."""
+    without ``verify``, which then copies without hashing). ``dst`` is a memoryview, or a
+    ``kvstore_client.cuda.DeviceView``: then the copy engine copies while the CPU hashes,
+    and this returns once the copy is done."""
+    if type(dst) is DeviceView:
+        return dst.fill_from_host(src, checksum, verify)
     if verify:
         return copy_with_checksum(dst, src) == checksum
     dst[:] = src

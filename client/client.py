@@ -19,7 +19,7 @@ from typing import Sequence
 
 import grpc
 
-from kvstore_client.buffers import byte_view
+from kvstore_client.buffers import buffer_view
 from kvstore_client.cluster_address import master_channel
 from kvstore_client.connect import check_data_path, open_connection
 from kvstore_client.credentials import Credentials
@@ -149,7 +149,7 @@ class Client:
         if not keys:
             return
         depths = list(depths) if depths is not None else [0] * len(keys)
-        views = [byte_view(v) for v in values]
+        views = [buffer_view(v) for v in values]
         groups = list(_group_by_namespace(keys).items())
         stored: list[BlockKey] = []
         failures: list[tuple] = []  # (key, node id, error) of each block not stored
@@ -230,7 +230,7 @@ class Client:
         """Copy the block into ``buffer``; its size, or None when no node holds it."""
         if self._closed:
             self._check_open()
-        key, view = check_key(key), byte_view(buffer, writable=True)
+        key, view = check_key(key), buffer_view(buffer, writable=True)
         size = self._read_local_one(key, view)
         return size if size is not None else self._read([key], [view], local_tried=True)[0]
 
@@ -238,7 +238,7 @@ class Client:
         self._check_open()
         if len(buffers) != len(keys):
             raise InvalidValue(f"{len(keys)} keys but {len(buffers)} buffers")
-        return self._read([check_key(k) for k in keys], [byte_view(b, writable=True) for b in buffers])
+        return self._read([check_key(k) for k in keys], [buffer_view(b, writable=True) for b in buffers])
 
     def _read(self, keys: list[BlockKey], buffers: list | None, local_tried: bool = False) -> list:
         """Read each key from this host's nodes' block directories if they have it (no round

@@ -24,6 +24,16 @@ class InvalidValue(KVStoreError, ValueError):
     """A value is empty, too large, or not a contiguous buffer."""
 
 
+class DeviceUnavailable(InvalidValue):
+    """A buffer lies in memory this process cannot copy to or from: a tensor on a device other
+    than the CPU and CUDA, on a CUDA device this process does not see, or any device tensor
+    where torch has no CUDA. ``device`` names it ("meta", "cuda:3", ...)."""
+
+    def __init__(self, message: str, device: str = ""):
+        super().__init__(message)
+        self.device = device
+
+
 class BufferTooSmall(KVStoreError, ValueError):
     """The caller's buffer cannot hold the block; ``needed`` says how many bytes it must have."""
 
@@ -42,6 +52,11 @@ class CapacityError(KVStoreError):
     Raised by ``Client.batch_put`` (like any error it raises once blocks were sent) it
     carries ``stored``, the keys stored, and ``failures``, (key, node_id, error) for each
     key not stored (PutFailed's shape): retry those."""
+
+
+class LayoutMismatch(ConfigError):
+    """Two KV cache layouts do not store a block's bytes in the same order (or a layout is one
+    the vLLM connector cannot move), so blocks of one must not be read into the other."""
 
 
 class ReservationError(KVStoreError):

@@ -45,7 +45,7 @@ from functools import partial
 import xxhash
 
 from kvstore_client.arenamap import map_arena, unmap_arena
-from kvstore_client.buffers import byte_view
+from kvstore_client.buffers import buffer_view
 from kvstore_client.checked_copy import copy_verified
 from kvstore_client.credentials import NO_CREDENTIALS
 from kvstore_client.directory import ONE_SIDED_READS, DirectoryReader, OneSidedReads
@@ -236,7 +236,7 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         block the node could not bring into DRAM.
         """
         key = check_key(key)
-        view = byte_view(buffer, writable=True)
+        view = buffer_view(buffer, writable=True)
         size = self.read_direct_one(key, view)
         if size is not None:
             return size

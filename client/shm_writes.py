@@ -15,7 +15,8 @@ REGRANT): the client copies its next value into one while the node publishes
 the others and the grants their replies bring travel back.
 
 ``ArenaWrites`` is the write half of ``ShmConnection`` (a mixin over a
-``DataPlaneConnection`` with the arena mapped at ``_mem``). Frames:
+``DataPlaneConnection`` with the arena mapped at ``_mem``). Values in GPU memory are copied
+into the arena by the GPU's copy engine and hashed there (``kvstore_client.cuda``). Frames:
 ``proto/dataplane.md``.
 """
 
@@ -25,6 +26,7 @@ import struct
 
 import xxhash
 
+from kvstore_client.cuda import DeviceView, copy_to_host
 from kvstore_client.errors import ProtocolError
 from kvstore_client.transport import KEYS_PER_FRAME, _split
 from kvstore_client.wire import (
@@ -101,9 +103,9 @@ class ArenaWrites:
     def _store(self, grant_id: int, items: list[tuple], offsets: list[int], wait: bool) -> list[int]:
         """Copy ``items`` (key, view, depth) into a grant's space and STORE them (REGRANT)."""
         table = [U64.pack(grant_id)]
-        for (key, view, depth), offset in zip(items, offsets):
-            self._mem[offset : offset + len(view)] = view
-            table.append(put_entry(key, depth, len(view), _checksum(view)))  # of the source: see op_store
+        checksums = self._copy_in([view for _, view, _ in items], offsets)
+        for (key, view, depth), checksum in zip(items, checksums):
+            table.append(put_entry(key, depth, len(view), checksum))  # of the source: see op_store
         with self._stream():
             return self._publish(Op.STORE, b"".join(table), items, 0, wait)
 
@@ -112,16 +114,34 @@ class ArenaWrites:
         statuses = [status for status, _ in reserved]
         if not reservation_id:
             return statuses
-        checksums = []
-        for (_, view, _), (status, offset) in zip(items, reserved):
-            if status == Status.OK:
-                self._mem[offset : offset + len(view)] = view
-            checksums.append(_checksum(view) if status == Status.OK else 0)
+        ok = [n for n, (status, _) in enumerate(reserved) if status == Status.OK]
+        copied = dict(zip(ok, self._copy_in([items[n][1] for n in ok], [reserved[n][1] for n in ok])))
+        checksums = [copied.get(n, 0) for n in range(len(items))]
         with self._stream():
             table = U64.pack(reservation_id) + struct.pack(f"<{len(items)}Q", *checksums)
             committed = self._publish(Op.COMMIT, table, items, FLAG_WRITTEN, wait,
                                       [status == Status.OK for status in statuses])
         return [s if s != Status.OK else c for s, c in zip(statuses, committed)]
+
+    def _copy_in(self, views: list, offsets: list[int]) -> list[int]:
+        """Copy each value into the arena at its offset; their XXH3-64s. A host value is hashed
+        at its source; a value in device memory (``kvstore_client.cuda.DeviceView``) is copied
+        by the GPU's copy engine, all of them before one wait, and hashed in the arena after."""
+        mem = self._mem
+        checksums: list = []
+        staged = []
+        for view, offset in zip(views, offsets):
+            if type(view) is DeviceView:
+                staged.append((len(checksums), mem[offset : offset + len(view)], view))
+                checksums.append(0)
+                continue
+            mem[offset : offset + len(view)] = view
+            checksums.append(_checksum(view))
+        if staged:
+            copy_to_host([(dst, src) for _, dst, src in staged])
+            for n, dst, _ in staged:
+                checksums[n] = _checksum(dst)
+        return checksums
 
     def _regrant(self, sizes: list[int]) -> bool:
         """Whether puts of ``sizes`` keep a grant: larger ones would hold too much DRAM idle,

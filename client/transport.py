@@ -47,7 +47,8 @@ import xxhash
 
 from kvstore_client.auth import DataKey, Handshake
 from kvstore_client.credentials import NO_CREDENTIALS, Credentials
-from kvstore_client.buffers import byte_view, newly_allocated, receivable_bytes
+from kvstore_client.buffers import buffer_view, newly_allocated, receivable_bytes
+from kvstore_client.cuda import DeviceView, send_from
 from kvstore_client.errors import (
     BufferTooSmall,
     ChecksumMismatch,
@@ -152,7 +153,7 @@ def _put_item(item) -> tuple[BlockKey, memoryview, int]:
     depth = rest[0] if rest else 0
     if type(depth) is not int or not 0 <= depth < 1 << 32:
         raise InvalidValue(f"depth must be an int in [0, 2**32), got {depth!r}")
-    return check_key(key), byte_view(value), depth
+    return check_key(key), buffer_view(value), depth
 
 
 class _StreamGuard:
@@ -364,7 +365,7 @@ class DataPlaneConnection:
         errors instead of raising the first: (results, {index: error}); the results of
         keys with an error are None. Connection failures still raise."""
         keys = [check_key(k) for k in keys]
-        views = None if buffers is None else [byte_view(b, writable=True) for b in buffers]
+        views = None if buffers is None else [buffer_view(b, writable=True) for b in buffers]
         if views is not None and len(views) != len(keys):
             raise InvalidValue(f"{len(keys)} keys but {len(views)} buffers")
         return self._read_views(keys, views)
@@ -493,7 +494,7 @@ class DataPlaneConnection:
         digests: dict[int, int] = {}
         small: list[memoryview] = []
         for j, out, _ in blocks:
-            if len(out) < PIECEWISE_FROM or newly_allocated(out):
+            if type(out) is not DeviceView and (len(out) < PIECEWISE_FROM or newly_allocated(out)):
                 small.append(out)
                 continue
             if small:
@@ -512,9 +513,13 @@ class DataPlaneConnection:
                     errors[j] = ChecksumMismatch(f"block {j} arrived damaged (checksum mismatch)")
 
     def _receive_hashed(self, out: memoryview) -> int | None:
-        """Receive ``out``'s bytes, hashed as they land when verifying: their XXH3-64, or None."""
+        """Receive ``out``'s bytes, hashed as they land when verifying: their XXH3-64, or None.
+        Into device memory (a DeviceView) they land in pinned staging first (kvstore_client.cuda)."""
         hasher = _Hasher() if self.verify else None
-        self._reader.readinto(out, hasher)
+        if type(out) is DeviceView:
+            out.receive(self._reader, hasher)
+        else:
+            self._reader.readinto(out, hasher)
         return None if hasher is None else hasher.intdigest()
 
     def _read_single(self, keys: list, todo: list[int], costs: list[int], target, errors: dict,
@@ -584,6 +589,8 @@ class DataPlaneConnection:
             node's second wake-up for a trailer sent apart."""
             views = [ready[i][1] for i in chunk]
             size = sum(map(len, views))
+            if any(type(view) is DeviceView for view in views):
+                return self._send_put_staged(chunk, ready, views, size)
             last = size >= OVERLAP_HASH_BYTES
             table = b"".join(put_entry(ready[i][0], ready[i][2], len(view), 0 if last else _checksum(view))
                              for i, view in zip(chunk, views))
@@ -607,6 +614,25 @@ class DataPlaneConnection:
             for chunk in chunks:
                 self._defer(send(chunk), [ready[i][0] for i in chunk],
                             lambda request_id, n=len(chunk): self._status_list(Op.PUT, request_id, n))  # noqa: B008
+
+    def _send_put_staged(self, chunk: list[int], ready: dict[int, tuple], views: list, size: int) -> int:
+        """Send a PUT frame with values in device memory: always CHECKSUMS_LAST, each device value
+        copied to pinned staging a chunk ahead of the socket and hashed as it is sent
+        (``kvstore_client.cuda.send_from``), host values sent and hashed as they are."""
+        table = b"".join(put_entry(ready[i][0], ready[i][2], len(view), 0) for i, view in zip(chunk, views))
+        request_id = self._send(Op.PUT, len(chunk), table, body_extra=size + U64.size * len(chunk),
+                                flags=FLAG_CHECKSUMS_LAST)
+        checksums = []
+        for view in views:
+            if type(view) is DeviceView:
+                hasher = _Hasher()
+                send_from(self._sock, view, hasher)
+                checksums.append(hasher.intdigest())
+            else:
+                self._sock.sendall(view)
+                checksums.append(_checksum(view))
+        self._sock.sendall(struct.pack(f"<{len(chunk)}Q", *checksums))
+        return request_id
 
     def _statuses(self, op: int, chunk: list[int], request_id: int, out: list) -> None:
         """Read a reply of one status byte per item into ``out[i]`` for i in chunk."""
