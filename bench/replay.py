@@ -7,7 +7,7 @@
     python -m bench.replay --trace FILE --table admission --prefill 8 --decode 8 --speed 2
     python -m bench.replay --decision-latency [--blocks 1000000]   # one decision, 16P + 16D
 
-A discrete-event replay (``kvstore.scheduler.simulation``) in which every
+A discrete-event replay (``bench.simulation``) in which every
 decision is made by ``kvstore.scheduler.Conductor`` reading the real
 ``PrefixIndex`` that the simulated storage nodes (one per prefill instance,
 ``--cache-blocks`` each, a real eviction policy) keep up to date. Cost model:
@@ -83,7 +83,7 @@ from bench.trace import TraceError, read_trace
 from kvstore.master.index import DRAM, STORED, PrefixIndex
 from kvstore.policy import POLICIES
 from kvstore.scheduler import ADMISSIONS, PREFILL_POLICIES, Conductor, CostModel, CostParams, Rejected, SimClock
-from kvstore.scheduler.simulation import SimRequest, Simulation
+from bench.simulation import SimRequest, Simulation
 
 NAMESPACE = "trace"
 DEFAULTS = dict(prefill=16, decode=16, cache_blocks=4000, speed=1.0, admission="off", ttft_slo=30.0,

@@ -1,5 +1,8 @@
 """Discrete-event simulation of a serving cluster around the real Conductor (used by bench.replay).
 
+It lives in bench/, above both the master and the conductor, because it wires the two: the
+simulated nodes report their blocks to the master's real index and the conductor reads it.
+
 Nothing here decides anything: every placement and rejection comes from
 :class:`~kvstore.scheduler.conductor.Conductor`, reading prefix lengths from
 the real :class:`~kvstore.master.index.PrefixIndex`. The simulation plays

@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.master.index import PrefixIndex
 from kvstore.scheduler import Conductor, CostModel, CostParams, PolynomialPrefill, RejectReason, SimClock
-from kvstore.scheduler.simulation import SimRequest, Simulation
+from bench.simulation import SimRequest, Simulation
 
 # Prefill takes 1 ms a token (no cache reuse: every request has its own blocks); a decode instance holds
 # 800 context tokens, so one request of 800 fills it.

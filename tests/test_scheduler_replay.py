@@ -124,7 +124,7 @@ def test_a_replayed_request_does_not_evict_its_own_blocks():
     """LFU would pick the request's fresh blocks (no hits) over old, read ones; the request
     keeps them, as the real store does (BlockStore.request)."""
     from kvstore.master.index import PrefixIndex
-    from kvstore.scheduler.simulation import SimNode
+    from bench.simulation import SimNode
 
     for policy in ("lru", "lfu", "length_aware"):
         node = SimNode("n", capacity=4, eviction=policy, index=PrefixIndex(), namespace="ns")

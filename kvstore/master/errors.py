@@ -2,12 +2,11 @@
 
 Bad keys raise :class:`kvstore_client.errors.InvalidKey`; everything else a
 caller got wrong (an empty node id, an event of unknown kind, a tier the
-index does not know) raises :class:`InvalidRequest`. The gRPC edge maps both
-to INVALID_ARGUMENT (``kvstore.master.service``).
+index does not know) raises :class:`InvalidRequest`, defined in
+:mod:`kvstore.errors` (the conductor raises it too) and re-exported here. The
+gRPC edge maps both to INVALID_ARGUMENT (``kvstore.master.service``).
 """
 
-from kvstore_client.errors import KVStoreError
+from kvstore.errors import InvalidRequest
 
-
-class InvalidRequest(KVStoreError, ValueError):
-    """A request to the master is malformed (not a key problem: see InvalidKey)."""
+__all__ = ["InvalidRequest"]

@@ -1,8 +1,9 @@
 """The conductor: places each request on a prefill and a decode instance, or rejects it.
 
 ``Conductor.schedule(block_keys, input_len, output_len, now)`` reads the
-prefix every storage node holds from the master's :class:`PrefixIndex` (the
-same index the live master keeps), asks the prefill policy for a placement,
+prefix every storage node holds from a prefix index (a
+:class:`~kvstore.scheduler.prefix.PrefixMatcher`: live, the master's
+``PrefixIndex``), asks the prefill policy for a placement,
 pairs it with a decode instance (the least loaded, counting requests already
 paired and still in prefill; Algorithm 1 picks both at once because the KV
 cache streams from prefill to that decode instance), applies the admission
@@ -30,7 +31,7 @@ Thread-safety: every public method is atomic under ``_lock``, which guards the
 registry, the policy state, the admission predictor and the request table.
 The prefix lookup runs before ``_lock`` is taken (the index has its own lock),
 so the conductor never holds its lock while calling out. Lock order where both
-are held by callers: Conductor._lock is never taken inside PrefixIndex._lock.
+are held by callers: Conductor._lock is never taken inside the index's lock.
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
-from kvstore.master.errors import InvalidRequest
-from kvstore.master.index import PrefixIndex
+from kvstore.errors import InvalidRequest
 from kvstore.scheduler.admission import DecodeLoadPredictor, make_admission
 from kvstore.scheduler.clock import Clock, MonotonicClock
 from kvstore.scheduler.cost_model import CostModel
 from kvstore.scheduler.policies import Placement, Prefix, decode_fit, make_prefill_policy, select_decode
+from kvstore.scheduler.prefix import PrefixMatcher
 from kvstore.scheduler.registry import Registry
 from kvstore_client.errors import ConfigError
 from kvstore_client.keys import digest_of
@@ -126,7 +127,7 @@ class _Request:
 class Conductor:
     """Prefill/decode placement with the FAST'25 Algorithm 1 and early rejection. See the module doc."""
 
-    def __init__(self, index: PrefixIndex, cost: CostModel | None = None, *, policy: str = "kvcache_centric",
+    def __init__(self, index: PrefixMatcher, cost: CostModel | None = None, *, policy: str = "kvcache_centric",
                  admission: str = "off", ttft_slo: float = INF, tbt_slo: float = INF,
                  namespace: str = "default", clock: Clock | None = None, seed: int = 0,
                  balancing_threshold: int = 0, request_ttl: float = INF,

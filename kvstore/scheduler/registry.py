@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstore.master.errors import InvalidRequest
+from kvstore.errors import InvalidRequest
 
 
 @dataclass
