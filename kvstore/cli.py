@@ -161,7 +161,7 @@ def store_options(f):
 
 
 def connection_options(f):
-    """The data plane's limits per client (kvstore.node.config.ConnectionLimits); `node` and `up`."""
+    """The data plane's limits per client (kvstore.transport.limits.ConnectionLimits); `node` and `up`."""
     from kvstore.node.config import ConnectionLimits
 
     defaults = ConnectionLimits()
@@ -446,7 +446,7 @@ def node_lines(storage) -> list[str]:
     from kvstore.units import format_size
 
     info, cfg = storage.info(), storage.config
-    arena = storage.store._dram.arena
+    arena = storage.store.dram.arena
     pages = {"huge": "huge pages", "4KiB": "4 KiB pages", "mixed": "partly on huge pages"}.get(
         info.arena_pages, "page size unknown")
     lines = [f"kvstore node {info.node_id} serving blocks on {info.data_address}"

@@ -37,7 +37,7 @@ def run_demo(data_dir: str | None, dram: int, ssd: int, blocks: int, block_bytes
     tokens = list(range(blocks * 16))
     keys = hasher.keys(tokens)
     with BlockStore(config) as store:
-        echo(f"block store: DRAM {format_size(dram)} in shared memory ({store._dram.arena.path}), "
+        echo(f"block store: DRAM {format_size(dram)} in shared memory ({store.dram.arena.path}), "
              f"SSD {format_size(ssd)} under {config.ssd_path}")
         start = time.perf_counter()
         for depth, key in enumerate(keys):

@@ -179,8 +179,8 @@ def two_replicas(tmp_path):
 
 def damage(node, key) -> None:
     """Flip a byte of the node's copy of ``key`` in its arena (the checksum stays the old one)."""
-    extent = node.store._dram.current(key)
-    node.store._dram._mem[extent.offset] ^= 0xFF
+    where = node.store.dram.location(key)
+    node.store.dram.arena.view[where.offset] ^= 0xFF
 
 
 @pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])

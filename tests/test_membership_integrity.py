@@ -229,12 +229,12 @@ def test_node_files_are_0600_in_0700_directories(tmp_path):
     node = StorageNode(config, NodeOptions(data_dir=str(data_dir))).start()
     try:
         node.store.put(keys_of(1)[0], b"x" * 1000)
-        arena = node.store._dram.arena
+        arena = node.store.dram.arena
         assert mode(data_dir) == 0o700 and mode(data_dir / "ssd") == 0o700
         files = [data_dir / "node_id", data_dir / "lock", data_dir / "ssd" / "data.mdb",
                  data_dir / "ssd" / "lock.mdb", arena.path, node.server.unix_path]
-        if node.store._dram.directory is not None:
-            files.append(node.store._dram.directory.path)
+        if node.store.dram.directory is not None:
+            files.append(node.store.dram.directory.path)
         assert {str(f): mode(f) for f in files} == {str(f): 0o600 for f in files}
     finally:
         node.stop()

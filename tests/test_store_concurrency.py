@@ -178,13 +178,13 @@ def footprint(size: int) -> int:
 
 
 def check_accounting(store: BlockStore) -> None:
-    with store._tiering.evict_lock:  # no eviction pass in flight
+    with store.tiering.evict_lock:  # no eviction pass in flight
         stats = store.stats()
         keys = store.keys()
         tiers = {k: store.tier_of(k) for k in keys}
         dram = [k for k in keys if tiers[k] == "dram"]
         ssd = [k for k in keys if tiers[k] == "ssd"]
-        kept = [k for k in dram if store._table[k].ssd_copy]  # an SSD record kept when it was promoted
+        kept = [k for k in dram if store.describe(k).ssd_copy]  # an SSD record kept when it was promoted
         assert len(dram) + len(ssd) == len(keys) == len(store) == stats["store"]["blocks"]
         assert stats["dram"]["used"] == sum(footprint(store.size_of(k)) for k in dram)
         assert stats["dram"]["blocks"] == len(dram)
@@ -255,11 +255,11 @@ class InterleavedStore(BlockStore):
         return found
 
 
-def small_store(tmp_path) -> InterleavedStore:
+def small_store(tmp_path, **parts) -> InterleavedStore:
     return InterleavedStore(StoreConfig(
         dram_capacity=128 * KiB, max_block_bytes=64 * KiB, ssd_path=str(tmp_path / "ssd"),
         ssd_capacity=1024 * KiB, policy="lru", background_eviction=False,
-    ))
+    ), **parts)
 
 
 def block(tag: int, size: int) -> bytes:
@@ -324,8 +324,8 @@ def test_put_survives_its_demotion_victim_being_pinned_meanwhile(tmp_path):
     """An inline make-room pass picks a victim and, while its SSD copy is
     written, another thread pins it. The pass moves nothing, but other blocks
     are still evictable, so the put must go on evicting, not raise CapacityError."""
-    with small_store(tmp_path) as store:
-        store._tiering = tiering = HookedTiering(store)  # background_eviction is off: no thread to swap
+    with small_store(tmp_path, tiering=HookedTiering) as store:
+        tiering = store.tiering
         store.put(key(0), block(0, 60 * KiB))
         store.put(key(1), block(1, 60 * KiB))
         tiering.during_write = lambda victims: [store.pin(k) for k, _, _ in victims]

@@ -103,8 +103,8 @@ def test_check_finds_and_drops_a_damaged_block(make_store):
     store.put(key(1), value_for(1, 8 * KiB))
     store.put(key(2), value_for(2, 8 * KiB))
     assert store.check(key(1)) is True and store.check(key(99)) is None
-    extent = store._dram.current(key(1))
-    store._dram._mem[extent.offset + 100] ^= 0xFF  # a stray write into the arena
+    where = store.dram.location(key(1))
+    store.dram.arena.view[where.offset + 100] ^= 0xFF  # a stray write into the arena
     assert store.check(key(1)) is False  # found, dropped and counted
     assert not store.exists(key(1)) and store.get(key(1)) is None and store.check(key(1)) is None
     assert store.stats()["dram"]["checksum_failures"] == 1
@@ -285,7 +285,7 @@ def promoted_block(store, size: int = 60 * KiB) -> int:
 def test_a_promoted_block_keeps_its_ssd_copy_and_is_demoted_again_without_a_write(make_store):
     store = make_store(dram_capacity=256 * KiB, high_watermark=0.8, low_watermark=0.5)
     i = promoted_block(store)
-    assert store._ssd.get(key(i)) == value_for(key(i), 60 * KiB)  # the record stayed
+    assert store.ssd.get(key(i)) == value_for(key(i), 60 * KiB)  # the record stayed
     before = store.stats()
     for j in range(12, 20):  # push it out of DRAM again
         store.put(key(j), value_for(key(j), 60 * KiB))
@@ -295,14 +295,14 @@ def test_a_promoted_block_keeps_its_ssd_copy_and_is_demoted_again_without_a_writ
     demoted = after["dram"]["demotions"] - before["dram"]["demotions"]
     assert after["ssd"]["bytes_written"] - before["ssd"]["bytes_written"] == 60 * KiB * (demoted - 1)
     assert after["ssd"]["used"] == sum(store.size_of(k) for k in store.keys()
-                                       if store.tier_of(k) == "ssd" or store._table[k].ssd_copy)
+                                       if store.tier_of(k) == "ssd" or store.describe(k).ssd_copy)
 
 
 @pytest.mark.parametrize("tiers", ["dram+ssd"])
 def test_without_keep_ssd_copy_a_promotion_moves_the_block(make_store):
     store = make_store(dram_capacity=256 * KiB, high_watermark=0.8, low_watermark=0.5, keep_ssd_copy=False)
     i = promoted_block(store)
-    assert not store._ssd.contains(key(i))
+    assert not store.ssd.contains(key(i))
 
 
 @pytest.mark.parametrize("tiers", ["dram+ssd"])
@@ -310,10 +310,10 @@ def test_a_kept_ssd_copy_never_outlives_its_block(make_store):
     store = make_store(dram_capacity=256 * KiB, high_watermark=0.8, low_watermark=0.5)
     i = promoted_block(store)
     store.put(key(i), b"new value")  # replaced: the kept copy of the old value goes
-    assert not store._ssd.contains(key(i)) and store.get(key(i)) == b"new value"
+    assert not store.ssd.contains(key(i)) and store.get(key(i)) == b"new value"
     j = promoted_block(store) if store.tier_of(key(i)) == "dram" else i
     store.remove(key(j))
-    assert not store._ssd.contains(key(j)) and store.get(key(j)) is None
+    assert not store.ssd.contains(key(j)) and store.get(key(j)) is None
 
 
 @pytest.mark.parametrize("tiers", ["dram+ssd"])

@@ -107,7 +107,7 @@ class StoreMachine(RuleBasedStateMachine):
     # -- helpers ---------------------------------------------------------------------
     def quiet(self):
         """Hold off the background evictor (its passes take this lock) while checking."""
-        return self.store._tiering.evict_lock if self.BACKGROUND else contextlib.nullcontext()
+        return self.store.tiering.evict_lock if self.BACKGROUND else contextlib.nullcontext()
 
     def forget_if_evicted(self, key) -> None:
         """A miss: the block may have been evicted, unless it is pinned."""
@@ -128,8 +128,8 @@ class StoreMachine(RuleBasedStateMachine):
         if tier is None:
             return None, None
         if tier == "dram":
-            return tier, self.store._dram.get(key)
-        return tier, self.store._ssd.get(key)
+            return tier, self.store.dram.get(key)
+        return tier, self.store.ssd.get(key)
 
     def snapshot(self):
         keys = sorted(self.store.keys())
@@ -166,7 +166,7 @@ class StoreMachine(RuleBasedStateMachine):
             for key in self.store.keys():
                 if self.store.tier_of(key) == "dram":
                     assert self.pins.get(key), f"CapacityError while unpinned {key} still sits in DRAM"
-            assert self.store._dram._alloc.largest_free_extent() < footprint(size)
+            assert self.store.dram.largest_free_extent() < footprint(size)
 
     @rule(target=reservations, key=key_strategy, size=size_strategy, seed=seed_strategy, depth=depth_strategy)
     @precondition(lambda self: not self.open_reservations)
@@ -401,13 +401,13 @@ class StoreMachine(RuleBasedStateMachine):
                 if tier == "dram":
                     dram_used += footprint(len(data))
                     dram_blocks += 1
-                    if store._table[key].ssd_copy:  # the SSD record kept when it was promoted
-                        assert store._ssd.get(key) == data, f"{key}'s kept SSD copy holds other bytes"
+                    if store.describe(key).ssd_copy:  # the SSD record kept when it was promoted
+                        assert store.ssd.get(key) == data, f"{key}'s kept SSD copy holds other bytes"
                         ssd_used += len(data)
                         ssd_blocks += 1
                 else:
                     assert tier == "ssd" and self.TIERS == "dram+ssd"
-                    assert store._ssd.depth_of(key) == self.depths[key]
+                    assert store.ssd.depth_of(key) == self.depths[key]
                     ssd_used += len(data)
                     ssd_blocks += 1
             reserved = sum(footprint(len(data)) for _, _, data, _ in self.open_reservations.values())

@@ -64,7 +64,7 @@ def test_clean_reopen_keeps_ssd_blocks_and_their_depths_drops_dram(tmp_path):
             store.put(k, value_of(100 + i))
         assert [store.tier_of(k) for k in chain] == ["ssd"] * 12
         assert [store.tier_of(k) for k in fillers] == ["dram"] * 4
-        arena = store._dram.arena.path
+        arena = store.dram.arena.path
     assert not os.path.exists(arena)  # close unlinks the DRAM arena
 
     with open_store(tmp_path / "ssd") as store:
@@ -72,7 +72,7 @@ def test_clean_reopen_keeps_ssd_blocks_and_their_depths_drops_dram(tmp_path):
         assert [store.tier_of(k) for k in chain] == ["ssd"] * 12
         assert not any(store.exists(k) for k in fillers)  # DRAM is volatile
         assert [store.size_of(k) for k in chain] == sizes
-        assert [store._ssd.depth_of(k) for k in chain] == list(range(12))
+        assert [store.ssd.depth_of(k) for k in chain] == list(range(12))
         stats = store.stats()
         assert stats["ssd"]["used"] == sum(sizes) and stats["ssd"]["blocks"] == 12
         assert stats["dram"]["used"] == 0 and stats["dram"]["blocks"] == 0
@@ -109,7 +109,7 @@ CHILD = textwrap.dedent("""
         dram_capacity=64 * KiB, max_block_bytes=16 * KiB, ssd_path=sys.argv[1], ssd_capacity=16 << 20,
         background_eviction=True,
     ))
-    print("ARENA", store._dram.arena.path, flush=True)
+    print("ARENA", store.dram.arena.path, flush=True)
     for i in range(40):
         store.put(key(i), value_of(i), depth=i)
     store.evict()
@@ -196,7 +196,7 @@ def test_kill_9_keeps_every_block_reported_in_ssd(tmp_path):
     with open_store(ssd_path, ssd_capacity=16 << 20, ssd_policy="lru") as store:
         for i in on_ssd:
             assert store.tier_of(key(i)) == "ssd", f"block {i}, reported in SSD, is gone"
-            assert store._ssd.depth_of(key(i)) == i
+            assert store.ssd.depth_of(key(i)) == i
         for i in on_ssd:
             assert store.get(key(i)) == child_value(i)
         for k in store.keys():  # whatever else survived holds the bytes it was written with
@@ -204,7 +204,7 @@ def test_kill_9_keeps_every_block_reported_in_ssd(tmp_path):
         stats = store.stats()
         assert stats["ssd"]["checksum_failures"] == 0
         assert stats["ssd"]["used"] == sum(store.size_of(k) for k in store.keys()
-                                           if store.tier_of(k) == "ssd" or store._table[k].ssd_copy)
+                                           if store.tier_of(k) == "ssd" or store.describe(k).ssd_copy)
 
 
 # --- (c) a damaged record ----------------------------------------------------------------------------

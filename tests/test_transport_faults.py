@@ -226,9 +226,9 @@ def test_reservations_and_leases_end_with_the_connection(server):
         sock.sendall(keys_frame(Op.LEASE, [stored], request_id=2))
         _, status, _, _, body = read_reply(sock)
         assert LEASE_ITEM.unpack_from(body, 8)[0] == Status.OK
-        assert store._dram.is_leased(stored) and store.stats()["dram"]["used"] > used
+        assert store.dram.is_leased(stored) and store.stats()["dram"]["used"] > used
     wait_until(lambda: no_connections(server))
-    assert not store._dram.is_leased(stored) and not store.exists(key("reserved"))
+    assert not store.dram.is_leased(stored) and not store.exists(key("reserved"))
     assert store.stats()["dram"]["used"] == used
 
 
@@ -285,11 +285,11 @@ def test_grants_store_named_blocks_and_refuse_mismatches(server):
         assert statuses == [Status.CHECKSUM_MISMATCH]  # nothing was written into the reservation
         assert grant and granted[0][0] == Status.OK
         offset = granted[0][1]
-        store._dram._mem[offset : offset + len(value)] = value  # what a same-host writer does through its mapping
+        store.dram.arena.view[offset : offset + len(value)] = value  # what a same-host writer does through its mapping
         body = U64.pack(grant) + put_entry(second, 7, len(value), checksum)  # the writer's checksum, taken as is
         sock.sendall(pack_header(Op.STORE, 3, 1, len(body), flags=FLAG_REGRANT) + body)
         statuses, grant, granted = regrant_reply(read_reply(sock)[4], 1)
-        assert statuses == [Status.OK] and store.get(second) == value and store._table[second].depth == 7
+        assert statuses == [Status.OK] and store.get(second) == value and store.describe(second).depth == 7
         with TcpConnection(server.address) as reader:
             assert reader.get(second) == value
         body = U64.pack(grant) + put_entry(third, 0, len(value) - 1, 0)  # not the granted size
@@ -320,7 +320,7 @@ def test_reserve_with_regrant_makes_a_grant_that_a_store_names(server):
         assert grant and [status for status, _ in granted] == [Status.OK, Status.OK]
         assert store.stats()["dram"]["used"] == used + 16 * KiB + 32 * KiB and not store.exists(ignored)
         for (_, offset), v in zip(granted, values):
-            store._dram._mem[offset : offset + len(v)] = v
+            store.dram.arena.view[offset : offset + len(v)] = v
         table = U64.pack(grant) + b"".join(put_entry(k, 0, len(v), xxhash.xxh3_64_intdigest(v))
                                            for k, v in zip((first, second), values))
         sock.sendall(pack_header(Op.STORE, 2, 2, len(table)) + table)
@@ -340,7 +340,7 @@ def test_a_stored_block_that_does_not_match_its_checksum_is_never_served(server)
     with same_host(server) as sock:
         _, grant, granted = grant_by_aborting(sock, key("first-of-size"), len(value))
         offset = granted[0][1]
-        server.store._dram._mem[offset : offset + len(value)] = value
+        server.store.dram.arena.view[offset : offset + len(value)] = value
         body = U64.pack(grant) + put_entry(k, 0, len(value), xxhash.xxh3_64_intdigest(b"u" * 4096))
         sock.sendall(pack_header(Op.STORE, 3, 1, len(body)) + body)
         assert read_reply(sock)[4] == bytes([Status.OK])
@@ -362,7 +362,7 @@ def test_a_commit_of_written_blocks_records_the_writers_checksum_and_readers_che
         body = read_reply(sock)[4]
         reservation, items = U64.unpack_from(body)[0], list(RESERVED_ITEM.iter_unpack(body[8:]))
         for _, offset in items:
-            server.store._dram._mem[offset : offset + len(value)] = value
+            server.store.dram.arena.view[offset : offset + len(value)] = value
         checksums = U64.pack(xxhash.xxh3_64_intdigest(value)) + U64.pack(xxhash.xxh3_64_intdigest(b"x" * 4096))
         sock.sendall(pack_header(Op.COMMIT, 2, 2, 24, flags=FLAG_WRITTEN) + U64.pack(reservation) + checksums)
         assert read_reply(sock)[4] == bytes([Status.OK, Status.OK])  # recorded, not re-read

@@ -68,17 +68,17 @@ def test_a_finished_lease_is_released_by_the_next_request(make_node):
     store.put(k, value("next-request"))
     with ShmConnection(server.unix_path, one_sided=False) as conn:
         assert conn.get(k) == value("next-request")
-        assert store._dram.is_leased(k)  # no RELEASE frame of its own...
+        assert store.dram.is_leased(k)  # no RELEASE frame of its own...
         assert conn.exists(key("anything else")) is False
-        assert not store._dram.is_leased(k)  # ...it went out in front of the next request
+        assert not store.dram.is_leased(k)  # ...it went out in front of the next request
         buffer = bytearray(BLOCK)
-        assert conn.get_into(k, buffer) == BLOCK and store._dram.is_leased(k)
+        assert conn.get_into(k, buffer) == BLOCK and store.dram.is_leased(k)
         conn.flush()
-        assert not store._dram.is_leased(k)
+        assert not store.dram.is_leased(k)
         conn.flush()  # nothing pending: a no-op
         assert conn.get_into_many([k, key("missing")], [buffer, bytearray(1)]) == [BLOCK, None]
-        assert store._dram.is_leased(k)
-    wait_until(lambda: not store._dram.is_leased(k))  # closing the connection ends its leases
+        assert store.dram.is_leased(k)
+    wait_until(lambda: not store.dram.is_leased(k))  # closing the connection ends its leases
 
 
 def test_leases_of_an_idle_client_expire(make_node):
@@ -88,13 +88,13 @@ def test_leases_of_an_idle_client_expire(make_node):
     with ShmConnection(server.unix_path, one_sided=False) as conn:
         assert conn.lease_ttl == 0.2
         started = time.monotonic()
-        assert conn.get_into(k, bytearray(BLOCK)) == BLOCK and store._dram.is_leased(k)
-        wait_until(lambda: not store._dram.is_leased(k))
+        assert conn.get_into(k, bytearray(BLOCK)) == BLOCK and store.dram.is_leased(k)
+        wait_until(lambda: not store.dram.is_leased(k))
         assert time.monotonic() - started >= 0.2
         # the next request still carries the expired id: not an error, the connection goes on
         assert conn.get(k) == value("idle")
         conn.flush()
-        assert not store._dram.is_leased(k)
+        assert not store.dram.is_leased(k)
 
 
 def test_held_leases_do_not_expire(make_node):
@@ -104,10 +104,10 @@ def test_held_leases_do_not_expire(make_node):
     with ShmConnection(server.unix_path) as conn:
         lease = conn.lease_many([k])
         time.sleep(TINY_TTL * 6)
-        assert store._dram.is_leased(k) and bytes(lease.views[0]) == value("held")
+        assert store.dram.is_leased(k) and bytes(lease.views[0]) == value("held")
         lease.release()
         conn.ping()
-        assert not store._dram.is_leased(k)
+        assert not store.dram.is_leased(k)
 
 
 class StallingShm(ShmConnection):
@@ -132,14 +132,14 @@ class StallingShm(ShmConnection):
         return lease_id, items
 
     def _reuse(self, offset: int, size: int) -> None:
-        store, dram = self.store, self.store._dram
+        store, dram = self.store, self.store.dram
         wait_until(lambda: not dram.is_leased(self.victim))  # the reaper expired our lease
         self.version += 1
         store.put(self.victim, value(f"victim-{self.version}"))
         for i in range(64):
             filler = key(f"filler-{self.version}-{i}")
             store.put(filler, value(f"filler-{self.version}-{i}"))
-            extent = dram.current(filler)
+            extent = dram.location(filler)
             if extent is not None and extent.offset < offset + size and offset < extent.offset + extent.size:
                 self.reused.append(offset)
                 return

@@ -56,7 +56,7 @@ def test_pull_copies_blocks_node_to_node(make_node):
         copied = conn.pull_many(source.address, [(k, 100 + d) for d, k in enumerate(keys)] + [(missing, 0)])
     assert copied == [True] * len(keys) + [False]
     assert [target.store.get(k) for k in keys] == values
-    assert target.store._table[keys[3]].depth == 103  # depths come from the request
+    assert target.store.describe(keys[3]).depth == 103  # depths come from the request
     assert not target.store.exists(missing)
 
 
@@ -81,7 +81,7 @@ def test_pull_from_an_unreachable_source_stores_nothing(make_node):
     dead.close()  # nothing listens there now
     with TcpConnection(target.address) as conn, pytest.raises(ServiceUnavailable):
         conn.pull_many(address, [(k, 0) for k in keys_of("unreachable", 3)])
-    assert len(target.store) == 0 and target.store._dram.used_bytes == 0
+    assert len(target.store) == 0 and target.store.dram.used_bytes == 0
 
 
 class FakeSource:
@@ -143,4 +143,4 @@ def test_a_source_failing_mid_copy_leaves_nothing_half_copied(make_node, fault):
     finally:
         source.close()
     assert len(target.store) == 0
-    assert target.store._dram.used_bytes == 0  # the reservation was revoked
+    assert target.store.dram.used_bytes == 0  # the reservation was revoked

@@ -128,7 +128,7 @@ def test_one_sided_reads_take_no_lease_and_count_as_hits(node, monkeypatch):
         buffer = bytearray(BLOCK)
         assert conn.get_into(k, buffer) == BLOCK and buffer == uniform(1)
         assert conn.get(k) == uniform(1)
-        assert not store._dram.is_leased(k)  # nothing to release: no lease was taken
+        assert not store.dram.is_leased(k)  # nothing to release: no lease was taken
         assert store.stats()["dram"]["hits"] == hits_before  # not reported yet...
         assert conn.get_many([k, key("missing")]) == [uniform(1), None]  # the miss asks the node...
         assert store.stats()["dram"]["hits"] == hits_before + 3  # ...and the three reads went with it
@@ -171,12 +171,12 @@ class RacedShm(ShmConnection):
         self._direct._find = racing_find
 
     def _reuse(self, k, offset: int, size: int) -> None:
-        store, dram = self.store, self.store._dram
+        store, dram = self.store, self.store.dram
         store.put(k, uniform(200))
         for i in range(64):
             filler = key(f"filler-{self.reused}-{i}")
             store.put(filler, uniform(100))
-            extent = dram.current(filler)
+            extent = dram.location(filler)
             if extent.offset < offset + size and offset < extent.offset + extent.size:
                 self.reused += 1
                 return
@@ -210,8 +210,8 @@ def test_a_block_damaged_past_its_first_chunk_is_never_returned(tmp_path, one_si
     try:
         k, good = key("damaged-late"), os.urandom(size)
         store.put(k, good)
-        extent = store._dram.current(k)
-        store._dram._mem[extent.offset + size - 1] ^= 0x01
+        where = store.dram.location(k)
+        store.dram.arena.view[where.offset + size - 1] ^= 0x01
         with ShmConnection(server.unix_path, one_sided=one_sided) as conn:
             buffer = bytearray(size)
             assert conn.read_direct([k], [buffer]) == [None]  # turned down, whichever way it was asked

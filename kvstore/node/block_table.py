@@ -1,8 +1,12 @@
-"""Per-block state that spans tiers, and per-tier counters."""
+"""Per-block state that spans tiers, per-tier counters, and the state a store's parts share."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+from kvstore.sharded import ShardedDict
 
 DRAM = 0
 SSD = 1
@@ -47,3 +51,48 @@ class TierCounters:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+class BlockInfo(NamedTuple):
+    """A snapshot of one stored block's state (``BlockStore.describe``)."""
+
+    tier: str  # "dram" or "ssd": where it is served from
+    size: int
+    depth: int
+    hits: int
+    pins: int
+    ssd_copy: bool  # in DRAM with its SSD record kept since its promotion
+
+
+class StoreState:
+    """What the parts of one BlockStore share: the block table, the tiers, both policies,
+    the counters, the listeners; made by the store and handed to its parts (``Tiering``)
+    when they are built, so that no part reaches into another's attributes.
+
+    ``lock`` guards ``blocks``, ``policies``, ``counters``, ``usage`` and ``closed`` (it
+    is ``BlockStore._lock`` in the store's lock order); the tiers lock themselves. ``emit``
+    and ``account`` are called under ``lock``.
+    """
+
+    __slots__ = ("lock", "blocks", "dram", "ssd", "policies", "counters", "listeners", "usage", "closed")
+
+    def __init__(self, dram, ssd, policies: list) -> None:
+        self.lock = threading.Lock()
+        self.blocks: ShardedDict = ShardedDict()  # BlockKey -> BlockMeta
+        self.dram = dram  # a kvstore.tiers.dram.DramTier
+        self.ssd = ssd  # a kvstore.tiers.ssd.SsdTier, or None
+        self.policies = policies  # [DRAM policy, SSD policy]
+        self.counters = [TierCounters(), TierCounters()]
+        self.listeners: list = []  # (event, key, tier name) -> None, called under lock
+        self.usage = None  # told of the bytes held per namespace (BlockStore.track_usage)
+        self.closed = False
+
+    def emit(self, event: str, key, tier: int) -> None:
+        """Under lock: tell every listener that ``key`` was stored, moved or removed."""
+        for listener in self.listeners:
+            listener(event, key, TIER_NAMES[tier])
+
+    def account(self, key, delta: int) -> None:
+        """Under lock: a block of ``key``'s namespace came, went or changed size."""
+        if self.usage is not None and delta:
+            self.usage.changed(key[0], delta)

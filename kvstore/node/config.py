@@ -1,4 +1,9 @@
-"""Configuration of one node's block store."""
+"""Configuration of one node's block store.
+
+``ConnectionLimits`` (the data plane's limits per client) is defined by the transport,
+which applies them (``kvstore.transport.limits``), and re-exported here because a
+``StoreConfig`` carries them to whatever serves the store.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +11,11 @@ from dataclasses import dataclass, field
 
 from kvstore_client.errors import ConfigError
 from kvstore.policy import POLICIES
+from kvstore.transport.limits import ConnectionLimits
 from kvstore.units import format_size, parse_size
 
+__all__ = ["ConnectionLimits", "StoreConfig"]
 MiB = 1 << 20
-
-
-@dataclass
-class ConnectionLimits:
-    """What one node's data plane allows its clients (spec: proto/dataplane.md, Connections).
-
-    ``max_connections``: connections served at once, over TCP and the Unix socket together;
-    one more is answered with a BUSY error frame and closed. ``idle_timeout``: seconds a
-    connection may go without sending a byte (between frames or inside one) before the node
-    closes it, releasing what it holds (None: never); a same-host connection that holds
-    leases taken with HOLD is exempt between frames (its reader keeps zero-copy views).
-    ``max_table_bytes``: the largest item table a request may carry (FRAME_TOO_LARGE past it).
-    """
-
-    max_connections: int = 1024
-    idle_timeout: float | None = 300.0
-    max_table_bytes: int | str = 4 * MiB
-
-    def __post_init__(self) -> None:
-        self.max_table_bytes = parse_size(self.max_table_bytes)
-        if self.max_connections < 1:
-            raise ConfigError(f"max_connections must be at least 1, got {self.max_connections}")
-        if self.idle_timeout is not None and not self.idle_timeout > 0:
-            raise ConfigError(f"idle_timeout must be positive seconds or None, got {self.idle_timeout!r}")
-        if self.max_table_bytes < 4096:
-            raise ConfigError(f"max_table_bytes must be at least 4 KiB, got {self.max_table_bytes}")
 
 
 @dataclass

@@ -21,14 +21,15 @@ from kvstore_client.hostid import machine_id
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore.node.config import StoreConfig
 from kvstore.node.data_dir_lock import DataDirLock
-from kvstore.node.peers import RegisteredPeers, refuse_all
+from kvstore.node.peers import RegisteredPeers
 from kvstore.node.store import BlockStore
 from kvstore.node.tenant_usage import TenantUsage
-from kvstore.transport.server import DEFAULT_LEASE_TTL
 from kvstore.security.access import AccessList
 from kvstore.security.tls import ServerTLS
 from kvstore.tiers.arena import shm_dir
 from kvstore.tiers.private import private_dir
+from kvstore.transport.puller import refuse_all
+from kvstore.transport.server import DEFAULT_LEASE_TTL, DataPlaneServer
 
 log = logging.getLogger(__name__)
 SOCKET_PREFIX, SOCKET_SUFFIX = "kvstore-", ".sock"  # a node's Unix socket: kvstore-<node id>.sock
@@ -132,8 +133,6 @@ class StorageNode:
             raise
 
     def _start(self) -> "StorageNode":
-        from kvstore.transport.server import DataPlaneServer
-
         opts = self.options
         self.store = BlockStore(self.config)
         usage = TenantUsage(opts.access) if opts.access is not None else None
@@ -172,7 +171,7 @@ class StorageNode:
                 else:
                     log.warning("master %s not reachable yet: serving, and registering as soon as it is", opts.master)
         log.info("node %s serving data on %s", self.node_id, self.server.address)
-        arena = self.store._dram.arena
+        arena = self.store.dram.arena
         if arena.pages in ("4KiB", "mixed"):
             log.info("the DRAM arena %s is %s on 4 KiB pages: same-host copies run below memcpy speed; a tmpfs "
                      "mounted with huge=within_size (--shm-dir), or Linux >= 6.1 with free memory, fixes that",
@@ -186,9 +185,9 @@ class StorageNode:
             machine_id=machine_id(),
             data_address=self.data_address(),
             unix_socket=self.server.unix_path or "",
-            shm_arena=self.store._dram.arena.name,
+            shm_arena=self.store.dram.arena.name,
             metrics_address=self.metrics.address if self.metrics else "",
-            arena_pages=self.store._dram.arena.pages,
+            arena_pages=self.store.dram.arena.pages,
         )
 
     def data_address(self) -> str:

@@ -31,7 +31,7 @@ def node_metrics(node) -> list[tuple[str, str, str, dict, float]]:
                  store["inline_evictions"]))
     rows.append(("kvstore_node_granted_bytes", "DRAM set aside for same-host writers' next puts (grants).",
                  "gauge", base, store["granted_bytes"]))
-    directory = node.store._dram.directory
+    directory = node.store.dram.directory
     if directory is not None:
         rows.append(("kvstore_node_directory_blocks", "DRAM blocks same-host clients can read without a round trip.",
                      "gauge", base, len(directory)))

@@ -18,11 +18,6 @@ from typing import Callable, Iterable
 log = logging.getLogger(__name__)
 
 
-def refuse_all(address: str) -> bool:
-    """The policy of a node with no master: there are no registered nodes to pull from."""
-    return False
-
-
 class RegisteredPeers:
     """``allows(address)``: whether ``address`` is a live registered node's data address.
 

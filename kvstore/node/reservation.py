@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from kvstore_client.errors import InvalidValue, ReservationError
 
 if TYPE_CHECKING:
-    from kvstore.node.store import BlockStore
     from kvstore.tiers.dram import Extent
+
+
+class ReservationOwner:
+    """What a Reservation calls back into, named: the store that made it hands one of these
+    to each of its reservations (one per store), so a reservation reaches no attribute of
+    the store. Each field is a callable, bound once when the store is built:
+
+    - ``writable(extent)``: a writable view of the reserved bytes;
+    - ``abort(extent)``: give an uncommitted extent back to the DRAM tier;
+    - ``check_key(key)``: the key checked (``BlockStore.check_key``);
+    - ``publish(key, extent, depth, checksum, trusted)``: commit the written extent
+      (``trusted``: take ``checksum`` without reading the bytes back);
+    - ``grant_ended(size)``: a grant was bound to a key or given back.
+    """
+
+    __slots__ = ("writable", "abort", "check_key", "publish", "grant_ended")
+
+    def __init__(self, *, writable: Callable, abort: Callable, check_key: Callable, publish: Callable,
+                 grant_ended: Callable):
+        self.writable, self.abort, self.check_key = writable, abort, check_key
+        self.publish, self.grant_ended = publish, grant_ended
 
 
 class Reservation:
@@ -22,16 +42,16 @@ class Reservation:
     Not meant to be shared between threads.
     """
 
-    __slots__ = ("key", "size", "depth", "buffer", "_store", "_extent", "_granted", "__weakref__")
+    __slots__ = ("key", "size", "depth", "buffer", "_owner", "_extent", "_granted", "__weakref__")
 
-    def __init__(self, store: "BlockStore", key, extent: "Extent", depth: int, granted: bool = False):
+    def __init__(self, owner: ReservationOwner, key, extent: "Extent", depth: int, granted: bool = False):
         self.key = key
         self.size = extent.size
         self.depth = depth
-        self._store = store
+        self._owner = owner
         self._extent: "Extent | None" = extent
         self._granted = granted  # counted in the store's grant budget until bound or revoked
-        self.buffer = store._dram.writable(extent)
+        self.buffer = owner.writable(extent)
 
     @property
     def open(self) -> bool:
@@ -50,7 +70,7 @@ class Reservation:
             raise ReservationError("reservation is closed")
         if depth < 0:
             raise InvalidValue("depth cannot be negative")
-        self.key, self.depth = self._store._check_key(key), depth
+        self.key, self.depth = self._owner.check_key(key), depth
         self._end_grant()
 
     def commit(self, expected_checksum: int | None = None) -> None:
@@ -73,19 +93,19 @@ class Reservation:
             raise ReservationError("a granted reservation must be bound to a key before it is committed")
         extent = self._take()
         self.buffer.release()
-        self._store._commit(self.key, extent, self.depth, checksum, trusted)
+        self._owner.publish(self.key, extent, self.depth, checksum, trusted)
 
     def revoke(self) -> None:
         """Give the space back; nothing becomes visible."""
         extent = self._take()
         self.buffer.release()
         self._end_grant()
-        self._store._dram.abort(extent)
+        self._owner.abort(extent)
 
     def _end_grant(self) -> None:
         if self._granted:
             self._granted = False
-            self._store._grant_ended(self.size)
+            self._owner.grant_ended(self.size)
 
     def _take(self) -> "Extent":
         extent, self._extent = self._extent, None

@@ -7,9 +7,18 @@ SSD; SSD hits are promoted back to DRAM.
 
 Thread-safe. Locks, always taken in this order:
   1. ``Tiering.evict_lock`` - one eviction pass at a time;
-  2. ``BlockStore._lock``    - the block table, both policies, the counters;
+  2. ``BlockStore._lock``    - the block table, both policies, the counters
+                               (``StoreState.lock``: the same lock);
   3. each tier's own lock    - its index and allocator (never held across I/O).
 Bytes are copied outside ``_lock``, protected by DRAM read leases.
+
+The store is made of parts that talk through named interfaces, never through each
+other's attributes: the state they share (``kvstore.node.block_table.StoreState``),
+handed to ``Tiering`` when it is built; ``ReservationOwner``, what a ``Reservation``
+calls back; and, for code outside the store (the data plane, the node, tests), the
+read-only views ``dram`` (``kvstore.tiers.dram.DramView``: the shared arena and block
+directory, where a block lies) and ``ssd`` (``kvstore.tiers.ssd.SsdView``), and
+``describe(key)``.
 
 Inside ``with store.request():`` the blocks a thread reads or writes are
 pinned until the request ends, so that serving a request (a batch put, a
@@ -27,13 +36,12 @@ import xxhash
 from kvstore_client.buffers import byte_view
 from kvstore_client.errors import BufferTooSmall, CapacityError, ChecksumMismatch, InvalidValue, UnknownNamespace
 from kvstore_client.keys import BlockKey, check_key
-from kvstore.node.block_table import DRAM, SSD, TIER_NAMES, BlockMeta, TierCounters
+from kvstore.node.block_table import DRAM, SSD, TIER_NAMES, BlockInfo, BlockMeta, StoreState
 from kvstore.node.config import StoreConfig
-from kvstore.node.reservation import Reservation
+from kvstore.node.reservation import Reservation, ReservationOwner
 from kvstore.node.tiering import Tiering
 from kvstore.policy import make_policy
-from kvstore.sharded import ShardedDict
-from kvstore.tiers.dram import DramTier, Extent
+from kvstore.tiers.dram import DramTier, DramView, Extent
 
 _checksum = xxhash.xxh3_64_intdigest
 GRANT_SHARE = 8  # grants (space set aside for same-host writers' next puts) hold at most 1/8 of DRAM
@@ -44,29 +52,35 @@ Listener = Callable[[str, BlockKey, str], None]
 
 
 class BlockStore:
-    """Paged KV blocks in DRAM and SSD tiers with pluggable eviction."""
+    """Paged KV blocks in DRAM and SSD tiers with pluggable eviction.
 
-    def __init__(self, config: StoreConfig | None = None, **overrides):
+    ``tiering``: what makes room, called as ``tiering(state, config)`` (default: ``Tiering``;
+    a test may pass a subclass with hooks)."""
+
+    def __init__(self, config: StoreConfig | None = None, *, tiering: Callable[..., Tiering] = Tiering,
+                 **overrides):
         self.config = config = config or StoreConfig(**overrides)
-        self._lock = threading.Lock()
         self._local = threading.local()  # .held: the ongoing request's blocks on this thread, or None
-        self._table: ShardedDict = ShardedDict()  # BlockKey -> BlockMeta
-        self._dram = DramTier(config.dram_capacity, granule=config.granule, prefault=config.prefault,
-                              arena_name=config.arena_name, directory_slots=config.directory_slots)
-        self._ssd = None
-        self._policies = [make_policy(config.policy), make_policy(config.ssd_policy)]
-        self._counters = [TierCounters(), TierCounters()]
-        self._listeners: list[Listener] = []
-        self._closed = False
         self._granted = 0  # bytes held by grants not bound to a key yet
-        self._usage = None  # told of the bytes held per namespace (track_usage)
         self._grant_lock = threading.Lock()
+        dram = DramTier(config.dram_capacity, granule=config.granule, prefault=config.prefault,
+                        arena_name=config.arena_name, directory_slots=config.directory_slots)
+        ssd = ssd_view = None
         if config.ssd_path is not None:
-            from kvstore.tiers.ssd import SsdTier
+            from kvstore.tiers.ssd import SsdTier, SsdView
 
-            self._ssd = SsdTier(config.ssd_path, config.ssd_capacity, sync=config.ssd_sync)
+            ssd = SsdTier(config.ssd_path, config.ssd_capacity, sync=config.ssd_sync)
+            ssd_view = SsdView(ssd)
+        self._state = state = StoreState(dram, ssd, [make_policy(config.policy), make_policy(config.ssd_policy)])
+        # The shared state's parts, bound once: the read and write paths use them on every call.
+        self._lock, self._table, self._dram, self._ssd = state.lock, state.blocks, dram, ssd
+        self._policies, self._counters = state.policies, state.counters
+        self._writes = ReservationOwner(writable=dram.writable, abort=dram.abort, check_key=self.check_key,
+                                        publish=self._commit, grant_ended=self._grant_ended)
+        self._dram_view, self._ssd_view = DramView(dram), ssd_view
+        if ssd is not None:
             self._index_ssd()
-        self._tiering = Tiering(self)
+        self._tiering = tiering(state, config)
         if config.background_eviction:
             self._tiering.start()
 
@@ -74,12 +88,31 @@ class BlockStore:
         """Re-index blocks that survived in the SSD tier from an earlier run."""
         for key, size, depth in self._ssd.inventory():
             self._table[key] = BlockMeta(SSD, size, depth)
-            self._account(key, size)
+            self._state.account(key, size)
             self._policies[SSD].add(key, depth=depth)
         self._counters[SSD].checksum_failures = self._ssd.checksum_failures
 
+    # -- the parts others may see ---------------------------------------------------
+    @property
+    def dram(self) -> DramView:
+        """The DRAM tier, read-only: its shared arena and block directory (what same-host
+        clients map), sizes, where a block lies."""
+        return self._dram_view
+
+    @property
+    def ssd(self):
+        """The SSD tier, read-only (a ``kvstore.tiers.ssd.SsdView``), or None without one."""
+        return self._ssd_view
+
+    @property
+    def tiering(self) -> Tiering:
+        """The part that makes room: ``evict_lock`` (held: no eviction pass runs), ``run_once``."""
+        return self._tiering
+
     # -- validation ---------------------------------------------------------------
-    def _check_key(self, key: BlockKey) -> BlockKey:
+    def check_key(self, key: BlockKey) -> BlockKey:
+        """``key`` as the store takes it: InvalidKey when malformed, UnknownNamespace when its
+        namespace is not declared on this store (``StoreConfig.namespaces``)."""
         key = check_key(key)
         allowed = self.config.namespaces
         if allowed is not None and key[0] not in allowed:
@@ -90,14 +123,9 @@ class BlockStore:
         """Report every change of the bytes held per namespace to ``usage.changed(namespace,
         delta)`` (called under the store lock: it must be quick). Tenant quotas use it."""
         with self._lock:
-            self._usage = usage
+            self._state.usage = usage
             for key, meta in self._table.items():
                 usage.changed(key[0], meta.size)
-
-    def _account(self, key: BlockKey, delta: int) -> None:
-        """Under _lock: a block of ``key``'s namespace came, went or changed size."""
-        if self._usage is not None and delta:
-            self._usage.changed(key[0], delta)
 
     def _check_size(self, size: int) -> None:
         if size <= 0:
@@ -113,11 +141,11 @@ class BlockStore:
         evictor has not kept enough free; raises CapacityError when even that
         cannot free space (everything left is pinned or being read).
         """
-        key = self._check_key(key)
+        key = self.check_key(key)
         self._check_size(size)
         if depth < 0:
             raise InvalidValue("depth cannot be negative")
-        return Reservation(self, key, self._reserve_extent(size), depth)
+        return Reservation(self._writes, key, self._reserve_extent(size), depth)
 
     def grant(self, size: int) -> Reservation:
         """Reserve DRAM for a block whose key is not known yet (a same-host writer's next
@@ -130,7 +158,7 @@ class BlockStore:
                 raise CapacityError(f"grants already hold {self._granted} bytes, 1/{GRANT_SHARE} of DRAM")
             self._granted += size
         try:
-            return Reservation(self, None, self._reserve_extent(size), 0, granted=True)
+            return Reservation(self._writes, None, self._reserve_extent(size), 0, granted=True)
         except BaseException:
             self._grant_ended(size)
             raise
@@ -163,7 +191,7 @@ class BlockStore:
             self._dram.abort(extent)
             raise ChecksumMismatch(f"block {key!r:.60} arrived damaged: checksum {checksum:#x} != {expected:#x}")
         with self._lock:
-            if self._closed:
+            if self._state.closed:
                 self._dram.abort(extent)
                 raise CapacityError("store is closed")
             old = self._table.get(key)
@@ -174,16 +202,16 @@ class BlockStore:
                 self._drop_ssd_record(key, old)
             self._dram.commit(key, extent, checksum)
             self._table[key] = meta
-            self._account(key, extent.size - (old.size if old is not None else 0))
+            self._state.account(key, extent.size - (old.size if old is not None else 0))
             self._hold(key, meta, new=old is None)
             if not meta.pins:
                 self._policies[DRAM].add(key, depth=depth, hits=meta.hits)
-            self._emit("stored", key, DRAM)
+            self._state.emit("stored", key, DRAM)
 
     # -- reads ------------------------------------------------------------------------
     def get(self, key: BlockKey) -> bytes | None:
         """The block's bytes, or None on a miss."""
-        key = self._check_key(key)
+        key = self.check_key(key)
         meta, extent = self._lookup(key)
         if meta is None:
             return None
@@ -208,7 +236,7 @@ class BlockStore:
 
         Raises BufferTooSmall (with ``.needed``) when the buffer cannot hold it.
         """
-        key = self._check_key(key)
+        key = self.check_key(key)
         out = byte_view(buffer, writable=True)
         meta, extent = self._lookup(key)
         if meta is None:
@@ -226,7 +254,7 @@ class BlockStore:
     def read(self, key: BlockKey) -> Iterator[memoryview | None]:
         """Zero-copy read: a read-only view of the block in the arena while the
         ``with`` block runs (the block cannot be evicted meanwhile), or None."""
-        key = self._check_key(key)
+        key = self.check_key(key)
         meta, extent = self._lookup(key)
         if extent is None:
             data = None if meta is None else self._get_from_ssd(key, meta)
@@ -243,7 +271,7 @@ class BlockStore:
         on SSD is promoted first; if it cannot be (DRAM full), None is returned
         with the block still stored: read it with ``get`` instead.
         Every lease must be released."""
-        key = self._check_key(key)
+        key = self.check_key(key)
         meta, extent = self._lookup(key)
         if meta is not None and extent is None:
             if self._get_from_ssd(key, meta) is None:
@@ -325,7 +353,7 @@ class BlockStore:
         True when intact; False when damaged, and then dropped (and counted) so that it reads
         as a miss from now on, as a damaged SSD record does; None when absent. Blocks on SSD
         are verified by every read there and count as intact."""
-        key = self._check_key(key)
+        key = self.check_key(key)
         with self._lock:
             meta = self._table.get(key)
             if meta is None:
@@ -344,7 +372,7 @@ class BlockStore:
     def touch(self, keys: Iterable[BlockKey]) -> None:
         """Count reads that same-host clients served themselves from the block
         directory, as hits that keep the blocks warm for eviction; absent keys are skipped."""
-        keys = [self._check_key(k) for k in keys]
+        keys = [self.check_key(k) for k in keys]
         with self._lock:
             for key in keys:
                 meta = self._table.get(key)
@@ -356,28 +384,38 @@ class BlockStore:
 
     # -- lookups without reading ---------------------------------------------------------
     def exists(self, key: BlockKey) -> bool:
-        return self._check_key(key) in self._table
+        return self.check_key(key) in self._table
 
     def batch_exists(self, keys: Iterable[BlockKey]) -> list[bool]:
-        keys = [self._check_key(k) for k in keys]
+        keys = [self.check_key(k) for k in keys]
         table = self._table
         return [k in table for k in keys]
 
     def match_prefix(self, keys: Iterable[BlockKey]) -> int:
         """How many leading keys of a prefix chain are stored (in any tier)."""
-        keys = [self._check_key(k) for k in keys]
+        keys = [self.check_key(k) for k in keys]
         table = self._table
         for count, key in enumerate(keys):
             if key not in table:
                 return count
         return len(keys)
 
+    def describe(self, key: BlockKey) -> BlockInfo | None:
+        """A snapshot of the block's state (tier, size, depth, hits, pins, whether an SSD copy
+        was kept); None if it is not stored. Not a read: counts no hit."""
+        key = self.check_key(key)
+        with self._lock:
+            meta = self._table.get(key)
+            if meta is None:
+                return None
+            return BlockInfo(TIER_NAMES[meta.tier], meta.size, meta.depth, meta.hits, meta.pins, meta.ssd_copy)
+
     def size_of(self, key: BlockKey) -> int | None:
-        meta = self._table.get(self._check_key(key))
+        meta = self._table.get(self.check_key(key))
         return None if meta is None else meta.size
 
     def tier_of(self, key: BlockKey) -> str | None:
-        meta = self._table.get(self._check_key(key))
+        meta = self._table.get(self.check_key(key))
         return None if meta is None else TIER_NAMES[meta.tier]
 
     def keys(self, namespace: str | None = None) -> list[BlockKey]:
@@ -402,7 +440,7 @@ class BlockStore:
     # -- removal and pinning ------------------------------------------------------------
     def remove(self, key: BlockKey) -> bool:
         """Drop the block from every tier; False if it was not stored."""
-        key = self._check_key(key)
+        key = self.check_key(key)
         with self._lock:
             meta = self._table.get(key)
             if meta is None:
@@ -412,7 +450,7 @@ class BlockStore:
 
     def pin(self, key: BlockKey) -> bool:
         """Keep the block from eviction until a matching unpin; False if absent. Pins nest."""
-        key = self._check_key(key)
+        key = self.check_key(key)
         with self._lock:
             meta = self._table.get(key)
             if meta is None:
@@ -424,7 +462,7 @@ class BlockStore:
 
     def unpin(self, key: BlockKey) -> bool:
         """Undo one pin; False if the block is absent or not pinned."""
-        key = self._check_key(key)
+        key = self.check_key(key)
         with self._lock:
             return self._unpin(key)
 
@@ -480,12 +518,12 @@ class BlockStore:
     def _forget(self, key: BlockKey, meta: BlockMeta) -> None:
         """Under _lock: remove a block from the table, its policy and its tier."""
         del self._table[key]
-        self._account(key, -meta.size)
+        self._state.account(key, -meta.size)
         self._policies[meta.tier].discard(key)
         if meta.tier == DRAM:
             self._dram.discard(key)
         self._drop_ssd_record(key, meta)
-        self._emit("removed", key, meta.tier)
+        self._state.emit("removed", key, meta.tier)
 
     def _drop_ssd_record(self, key: BlockKey, meta: BlockMeta) -> None:
         """Under _lock: delete the SSD record of a block that is going away or being replaced
@@ -498,11 +536,7 @@ class BlockStore:
     # -- events, stats, lifecycle ----------------------------------------------------------
     def subscribe(self, listener: Listener) -> None:
         """Call ``listener(event, key, tier)`` on every stored/moved/removed block."""
-        self._listeners.append(listener)
-
-    def _emit(self, event: str, key: BlockKey, tier: int) -> None:
-        for listener in self._listeners:
-            listener(event, key, TIER_NAMES[tier])
+        self._state.listeners.append(listener)
 
     def stats(self) -> dict[str, dict[str, int | float]]:
         """Per-tier capacity, use and counters; plus store-wide figures."""
@@ -536,9 +570,9 @@ class BlockStore:
     def close(self) -> None:
         """Stop the evictor and release both tiers; SSD contents stay on disk."""
         with self._lock:
-            if self._closed:
+            if self._state.closed:
                 return
-            self._closed = True
+            self._state.closed = True
         self._tiering.stop()
         self._dram.close()
         if self._ssd is not None:

@@ -9,6 +9,10 @@ leased so their bytes stay put.
 
 ``evict_lock`` serialises passes (background and inline); it is taken before
 the store lock, never after.
+
+A ``Tiering`` is one of the store's parts: it is built with the store's shared state
+(``kvstore.node.block_table.StoreState``: the block table, the tiers, the policies,
+the counters, the store lock) and configuration, and works on those only.
 """
 
 from __future__ import annotations
@@ -17,27 +21,27 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from kvstore.node.block_table import DRAM, SSD
+from kvstore.node.block_table import DRAM, SSD, StoreState
 from kvstore.tiers.dram import Extent
 
 if TYPE_CHECKING:
-    from kvstore.node.store import BlockStore
+    from kvstore.node.config import StoreConfig
 
 log = logging.getLogger(__name__)
 
 
 class Tiering:
-    """Eviction, demotion and promotion for one BlockStore."""
+    """Eviction, demotion and promotion for one BlockStore, on its shared ``state``."""
 
-    def __init__(self, store: "BlockStore"):
-        self._store = store
+    def __init__(self, state: StoreState, config: "StoreConfig"):
+        self._state = state
+        self._config = config
         self.evict_lock = threading.Lock()
         self.inline_passes = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        cfg = store.config
-        self._high, self._low = cfg.high_watermark, cfg.low_watermark
+        self._high, self._low = config.high_watermark, config.low_watermark
 
     # -- background thread ------------------------------------------------------------
     def start(self) -> None:
@@ -56,7 +60,7 @@ class Tiering:
             self._wake.set()
 
     def _over_high(self) -> bool:
-        dram, ssd = self._store._dram, self._store._ssd
+        dram, ssd = self._state.dram, self._state.ssd
         if dram.used_bytes > self._high * dram.capacity_bytes:
             return True
         return ssd is not None and ssd.used_bytes > self._high * ssd.capacity_bytes
@@ -76,15 +80,15 @@ class Tiering:
     def run_once(self) -> None:
         """Bring every tier over its high watermark down to its low watermark."""
         with self.evict_lock:
-            dram = self._store._dram
+            dram = self._state.dram
             if dram.used_bytes > self._high * dram.capacity_bytes:
                 self._evict_dram_to(int(self._low * dram.capacity_bytes))
-            ssd = self._store._ssd
+            ssd = self._state.ssd
             if ssd is not None and ssd.used_bytes > self._high * ssd.capacity_bytes:
                 self._evict_ssd(ssd.used_bytes - int(self._low * ssd.capacity_bytes))
 
     def _evict_dram_to(self, target_used: int) -> None:
-        dram, batch = self._store._dram, self._store.config.eviction_batch
+        dram, batch = self._state.dram, self._config.eviction_batch
         while dram.used_bytes > target_used:
             if not self._evict_dram(dram.used_bytes - target_used, batch):
                 return
@@ -92,7 +96,7 @@ class Tiering:
     def make_room(self, size: int) -> Extent | None:
         """Inline last resort for a put that found no free extent: evict until
         ``size`` bytes fit, then reserve them. None when nothing more can go."""
-        dram = self._store._dram
+        dram = self._state.dram
         with self.evict_lock:
             self.inline_passes += 1
             while True:
@@ -102,7 +106,7 @@ class Tiering:
                 footprint = dram.footprint(size)
                 shortfall = footprint - (dram.capacity_bytes - dram.used_bytes)
                 wanted = shortfall if shortfall > 0 else footprint  # free but fragmented: free more
-                if not self._evict_dram(wanted, self._store.config.eviction_batch):
+                if not self._evict_dram(wanted, self._config.eviction_batch):
                     return dram.reserve(size)
 
     # -- DRAM -> SSD or out ----------------------------------------------------------------
@@ -112,44 +116,44 @@ class Tiering:
         0 only when nothing is evictable. (Not how many moved: a batch whose
         victims were all replaced, removed or pinned meanwhile moves none, yet
         other candidates may remain, so callers must keep going.)"""
-        store = self._store
+        state = self._state
         victims = self._choose_dram_victims(wanted, max_blocks)
         if not victims:
             return 0
         kept = [meta.ssd_copy for _, meta, _ in victims]  # already on SSD: nothing to write
         written = [False] * len(victims)
         fresh = [j for j, on_ssd in enumerate(kept) if not on_ssd]
-        if store._ssd is not None and fresh:
+        if state.ssd is not None and fresh:
             for j, ok in zip(fresh, self._write_to_ssd([victims[j] for j in fresh])):
                 written[j] = ok
-        with store._lock:
+        with state.lock:
             for (key, meta, extent), was_kept, wrote in zip(victims, kept, written):
-                current = store._table.get(key) is meta and meta.tier == DRAM and not meta.pins
-                if current and store._dram.current(key) is extent:
-                    store._dram.discard(key)
+                current = state.blocks.get(key) is meta and meta.tier == DRAM and not meta.pins
+                if current and state.dram.current(key) is extent:
+                    state.dram.discard(key)
                     if wrote or (was_kept and meta.ssd_copy):  # a kept copy may have been dropped meanwhile
                         meta.tier, meta.ssd_copy = SSD, False
-                        store._policies[SSD].discard(key)
-                        store._policies[SSD].add(key, depth=meta.depth, hits=meta.hits)
-                        store._counters[DRAM].demotions += 1
-                        store._emit("moved", key, SSD)
+                        state.policies[SSD].discard(key)
+                        state.policies[SSD].add(key, depth=meta.depth, hits=meta.hits)
+                        state.counters[DRAM].demotions += 1
+                        state.emit("moved", key, SSD)
                     else:
-                        del store._table[key]
-                        store._account(key, -meta.size)
-                        store._counters[DRAM].evictions += 1
-                        store._emit("removed", key, DRAM)
+                        del state.blocks[key]
+                        state.account(key, -meta.size)
+                        state.counters[DRAM].evictions += 1
+                        state.emit("removed", key, DRAM)
                 elif wrote:  # replaced, removed or pinned meanwhile: the copy is stale
-                    store._ssd.discard(key)
-                store._dram.release(extent)
+                    state.ssd.discard(key)
+                state.dram.release(extent)
         return len(victims)
 
     def _choose_dram_victims(self, wanted: int, max_blocks: int) -> list:
         """Under the store lock: pop victims, skipping blocks being read, and
         lease each victim's extent so its bytes survive until it is moved."""
-        store = self._store
-        policy, dram, table = store._policies[DRAM], store._dram, store._table
+        state = self._state
+        policy, dram, table = state.policies[DRAM], state.dram, state.blocks
         victims, skipped, total = [], [], 0
-        with store._lock:
+        with state.lock:
             while total < wanted and len(victims) < max_blocks:
                 key = policy.pop_victim()
                 if key is None:
@@ -167,7 +171,7 @@ class Tiering:
         return victims
 
     def _write_to_ssd(self, victims: list) -> list[bool]:
-        ssd, dram = self._store._ssd, self._store._dram
+        ssd, dram = self._state.ssd, self._state.dram
         incoming = sum(meta.size for _, meta, _ in victims)
         if ssd.used_bytes + incoming > self._high * ssd.capacity_bytes:
             self._evict_ssd(ssd.used_bytes + incoming - int(self._low * ssd.capacity_bytes))
@@ -177,9 +181,9 @@ class Tiering:
     # -- SSD out ----------------------------------------------------------------------------
     def _evict_ssd(self, wanted: int) -> None:
         """Drop SSD victims totalling at least ``wanted`` bytes."""
-        store = self._store
-        policy, table, victims, freed = store._policies[SSD], store._table, [], 0
-        with store._lock:
+        state = self._state
+        policy, table, victims, freed = state.policies[SSD], state.blocks, [], 0
+        with state.lock:
             while freed < wanted:
                 key = policy.pop_victim()
                 if key is None:
@@ -195,10 +199,10 @@ class Tiering:
                 del table[key]
                 victims.append(key)
                 freed += meta.size
-                store._counters[SSD].evictions += 1
-                store._emit("removed", key, SSD)
+                state.counters[SSD].evictions += 1
+                state.emit("removed", key, SSD)
         if victims:
-            store._ssd.discard_many(victims)
+            state.ssd.discard_many(victims)
 
     # -- SSD -> DRAM ----------------------------------------------------------------------------
     def promote(self, key, meta, data: memoryview, checksum: int) -> None:
@@ -206,26 +210,26 @@ class Tiering:
         and make DRAM its home; with ``keep_ssd_copy`` (and unless pinned) its SSD record
         stays, as an SSD eviction candidate. Best effort: never evicts inline; skipped when
         DRAM has no free extent."""
-        store, dram = self._store, self._store._dram
+        state, dram = self._state, self._state.dram
         extent = dram.reserve(len(data))
         if extent is None:
             self.poke()
             return
         dram.writable(extent)[:] = data
-        with store._lock:
-            if store._table.get(key) is meta and meta.tier == SSD and not store._closed:
-                if store.config.keep_ssd_copy and not meta.pins:
+        with state.lock:
+            if state.blocks.get(key) is meta and meta.tier == SSD and not state.closed:
+                if self._config.keep_ssd_copy and not meta.pins:
                     meta.ssd_copy = True
                 else:
-                    store._ssd.discard(key)
-                    store._policies[SSD].discard(key)
+                    state.ssd.discard(key)
+                    state.policies[SSD].discard(key)
                 dram.commit(key, extent, checksum)
                 extent = None
                 meta.tier = DRAM
                 if not meta.pins:
-                    store._policies[DRAM].add(key, depth=meta.depth, hits=meta.hits)
-                store._counters[SSD].promotions += 1
-                store._emit("moved", key, DRAM)
+                    state.policies[DRAM].add(key, depth=meta.depth, hits=meta.hits)
+                state.counters[SSD].promotions += 1
+                state.emit("moved", key, DRAM)
         if extent is not None:
             dram.abort(extent)
         self.poke()

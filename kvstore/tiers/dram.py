@@ -15,7 +15,7 @@ takes another lock.
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from kvstore_client.errors import BufferTooSmall
 from kvstore_client.keys import BlockKey
@@ -36,6 +36,14 @@ class Extent:
         self.checksum = 0
         self.leases = 0
         self.doomed = False  # no longer indexed: free when the last lease ends
+
+
+class Location(NamedTuple):
+    """Where a block's bytes lie in the arena, and their XXH3-64 (``DramView.location``)."""
+
+    offset: int
+    size: int
+    checksum: int
 
 
 class DramTier:
@@ -76,6 +84,11 @@ class DramTier:
     def fragmentation(self) -> float:
         with self._lock:
             return self._alloc.fragmentation()
+
+    def largest_free_extent(self) -> int:
+        """Bytes of the largest free extent: the largest block a reserve can place now."""
+        with self._lock:
+            return self._alloc.largest_free_extent()
 
     def __len__(self) -> int:
         return len(self._index)
@@ -198,3 +211,57 @@ class DramTier:
             extent.doomed = True
         else:
             self._alloc.free(extent.offset, extent.size)
+
+
+class DramView:
+    """The DRAM tier as code outside the store sees it (``BlockStore.dram``): the shared
+    arena and block directory that same-host clients map (and the data plane describes in
+    INFO), sizes, and where a block lies; nothing that reserves, commits, leases or frees.
+    Thread-safe, like the tier. ``location`` takes no lease: the block may move or go right
+    after; read through ``BlockStore.lease`` or ``read`` to keep the bytes in place."""
+
+    __slots__ = ("_tier",)
+
+    def __init__(self, tier: DramTier):
+        self._tier = tier
+
+    @property
+    def arena(self) -> SharedArena:
+        return self._tier.arena
+
+    @property
+    def directory(self) -> BlockDirectory | None:
+        return self._tier.directory
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._tier.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._tier.used_bytes
+
+    def __len__(self) -> int:
+        return len(self._tier)
+
+    def footprint(self, size: int) -> int:
+        return self._tier.footprint(size)
+
+    def largest_free_extent(self) -> int:
+        return self._tier.largest_free_extent()
+
+    def contains(self, key: BlockKey) -> bool:
+        return self._tier.contains(key)
+
+    def is_leased(self, key: BlockKey) -> bool:
+        """Whether the block held under ``key`` now has a reader (a lease not released)."""
+        return self._tier.is_leased(key)
+
+    def location(self, key: BlockKey) -> Location | None:
+        """Where the block held under ``key`` lies in the arena now; None if not in DRAM."""
+        extent = self._tier.current(key)
+        return None if extent is None else Location(extent.offset, extent.size, extent.checksum)
+
+    def get(self, key: BlockKey) -> bytes | None:
+        """A copy of the block's bytes as they lie in DRAM (unverified, not counted as a hit)."""
+        return self._tier.get(key)

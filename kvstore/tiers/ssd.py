@@ -361,3 +361,35 @@ class SsdTier:
             with self._lock:
                 self._index.clear()
                 self._used = 0
+
+
+class SsdView:
+    """The SSD tier as code outside the store sees it (``BlockStore.ssd``): sizes and the
+    records themselves, read-only. Reads here are checked like the store's, but are not
+    counted as hits and never promote."""
+
+    __slots__ = ("_tier",)
+
+    def __init__(self, tier: SsdTier):
+        self._tier = tier
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._tier.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._tier.used_bytes
+
+    def __len__(self) -> int:
+        return len(self._tier)
+
+    def contains(self, key: BlockKey) -> bool:
+        """Whether a record of ``key`` is on SSD (its home, or the copy kept after a promotion)."""
+        return self._tier.contains(key)
+
+    def depth_of(self, key: BlockKey) -> int:
+        return self._tier.depth_of(key)
+
+    def get(self, key: BlockKey) -> bytes | None:
+        return self._tier.get(key)

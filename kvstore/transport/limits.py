@@ -9,8 +9,9 @@
   receive and send timeouts (SO_RCVTIMEO, SO_SNDTIMEO) end the blocked call, so the hot
   path pays no extra syscall for it.
 
-The numbers come from ``kvstore.node.config.ConnectionLimits``; the server and the
-connections apply them (server.py, connection.py). Spec: proto/dataplane.md, Connections.
+The numbers are a ``ConnectionLimits`` (below; a node's ``StoreConfig.connections``); the
+server and the connections apply them (server.py, connection.py). Spec: proto/dataplane.md,
+Connections.
 """
 
 from __future__ import annotations
@@ -20,14 +21,45 @@ import os
 import socket
 import struct
 import time
+from dataclasses import dataclass
 
+from kvstore_client.errors import ConfigError
 from kvstore_client.wire import FLAG_REPLY, Op, Status, pack_header
+from kvstore.units import parse_size
 
 SAME_HOST_OPS = frozenset({Op.RESERVE, Op.COMMIT, Op.STORE, Op.LEASE})
 NODE_OPS = frozenset({Op.PULL})  # make the node dial another: not for tenants' tokens
 AUTH_TIMEOUT = 10.0  # seconds a connection to a node with an access file has to authenticate
 _TIMEVAL = struct.Struct("@ll")  # struct timeval (seconds, microseconds)
 _PEERCRED = struct.Struct("3i")  # struct ucred (pid, uid, gid)
+
+MiB = 1 << 20
+
+
+@dataclass
+class ConnectionLimits:
+    """What one node's data plane allows its clients (spec: proto/dataplane.md, Connections).
+
+    ``max_connections``: connections served at once, over TCP and the Unix socket together;
+    one more is answered with a BUSY error frame and closed. ``idle_timeout``: seconds a
+    connection may go without sending a byte (between frames or inside one) before the node
+    closes it, releasing what it holds (None: never); a same-host connection that holds
+    leases taken with HOLD is exempt between frames (its reader keeps zero-copy views).
+    ``max_table_bytes``: the largest item table a request may carry (FRAME_TOO_LARGE past it).
+    """
+
+    max_connections: int = 1024
+    idle_timeout: float | None = 300.0
+    max_table_bytes: int | str = 4 * MiB
+
+    def __post_init__(self) -> None:
+        self.max_table_bytes = parse_size(self.max_table_bytes)
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections must be at least 1, got {self.max_connections}")
+        if self.idle_timeout is not None and not self.idle_timeout > 0:
+            raise ConfigError(f"idle_timeout must be positive seconds or None, got {self.idle_timeout!r}")
+        if self.max_table_bytes < 4096:
+            raise ConfigError(f"max_table_bytes must be at least 4 KiB, got {self.max_table_bytes}")
 
 
 def same_host(sock: socket.socket) -> bool:

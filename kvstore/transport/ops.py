@@ -221,7 +221,7 @@ def op_remove(conn: "Connection", frame: "Frame") -> None:
 def _known(store, key) -> int:
     """OK, or the status of a well-formed key the store refuses (UNKNOWN_NAMESPACE)."""
     try:
-        store._check_key(key)
+        store.check_key(key)
     except KVStoreError as exc:
         return status_of(exc)
     return OK
@@ -484,7 +484,7 @@ def end_group(conn: "Connection", group: list) -> None:
 
 def op_pull(conn: "Connection", frame: "Frame") -> None:
     """Copy blocks from another node (u8 address length, its data-plane "host:port", then
-    PULL entries) into this one: one status byte per item (see kvstore.node.puller)."""
+    PULL entries) into this one: one status byte per item (see kvstore.transport.puller)."""
     if frame.body_len < 1:
         raise _bad("PULL without a source address")
     address_len = conn.reader.read(1)[0]

@@ -10,9 +10,12 @@ becomes visible. Connections to sources are kept for reuse.
 
 Sources are checked before anything is dialled: ``sources(address)`` must
 say yes (the node sets it to "a live registered node's data address",
-``kvstore.node.peers``; the default refuses every address), else each item is
+``kvstore.node.peers``; the default, ``refuse_all``, refuses every address), else each item is
 answered SOURCE_UNAVAILABLE and no connection is made, so a client cannot
 make a node connect wherever it names.
+
+Mechanism only, on the data plane's side: which sources are allowed is the node's policy,
+set on ``sources``.
 
 Thread-safe: each data-plane connection thread pulls on a connection of its own.
 """
@@ -28,18 +31,21 @@ from kvstore_client.errors import KVStoreError
 from kvstore_client.transport import TcpConnection
 from kvstore_client.wire import Status, status_of
 
-from kvstore.node.peers import refuse_all
-from kvstore.node.reservation import Reservation
-from kvstore.node.store import BlockStore
+from kvstore.transport.store_api import ServedStore, WritableBlock
 
 log = logging.getLogger(__name__)
 IDLE_PER_SOURCE = 2  # connections kept open to each source node
 
 
+def refuse_all(address: str) -> bool:
+    """The policy of a node with no master: there are no registered nodes to pull from."""
+    return False
+
+
 class BlockPuller:
     """Copies blocks from other nodes into ``store``."""
 
-    def __init__(self, store: BlockStore, timeout: float = 30.0, sources: Callable[[str], bool] = refuse_all):
+    def __init__(self, store: ServedStore, timeout: float = 30.0, sources: Callable[[str], bool] = refuse_all):
         self._store = store
         self._timeout = timeout
         self.sources = sources  # which "host:port" this node may pull from
@@ -56,7 +62,7 @@ class BlockPuller:
                         len(keys), source[:80])
             return [int(Status.SOURCE_UNAVAILABLE)] * len(keys)
         statuses = [int(Status.NOT_FOUND)] * len(keys)
-        placed: dict[int, Reservation] = {}
+        placed: dict[int, WritableBlock] = {}
 
         def place(j: int, size: int | None):
             old = placed.pop(j, None)

@@ -39,13 +39,12 @@ import time
 from kvstore_client.errors import ConfigError
 from kvstore_client.hostid import machine_id as this_machine_id
 from kvstore_client.wire import MAX_ITEMS, VERSION
-from kvstore.node.puller import BlockPuller
-from kvstore.node.store import BlockStore
-from kvstore.node.config import ConnectionLimits
+from kvstore.security.access import AccessList
 from kvstore.transport.allowance import Allowance
 from kvstore.transport.connection import Connection
-from kvstore.transport.limits import AUTH_TIMEOUT, Refusals, set_idle_timeout
-from kvstore.security.access import AccessList
+from kvstore.transport.limits import AUTH_TIMEOUT, ConnectionLimits, Refusals, set_idle_timeout
+from kvstore.transport.puller import BlockPuller
+from kvstore.transport.store_api import ServedStore
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ DIRECTORY_LIFETIME = 1.0  # seconds readers trust the block directory after a he
 
 
 class DataPlaneServer:
-    """Serves ``store``'s blocks to SDK clients: TCP on ``host:port``, and a Unix
+    """Serves ``store``'s blocks (a ``ServedStore``: the node's BlockStore) to SDK clients: TCP on ``host:port``, and a Unix
     socket at ``unix_path`` when given (same-host clients; the shared-memory
     transport uses it as its control channel). Read leases not released within
     ``lease_ttl`` seconds expire (None: never). ``limits``: what each client may hold
@@ -66,7 +65,7 @@ class DataPlaneServer:
     are served under (None: plain TCP; the Unix socket is always plain). ``usage``: the
     node's TenantUsage, when tenants have quotas."""
 
-    def __init__(self, store: BlockStore, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None,
+    def __init__(self, store: ServedStore, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None,
                  node_id: str = "", machine_id: str = "", max_frame_bytes: int | None = None,
                  lease_ttl: float | None = DEFAULT_LEASE_TTL, limits: ConnectionLimits | None = None,
                  access: AccessList | None = None, tls: ssl.SSLContext | None = None, usage=None):
@@ -157,8 +156,8 @@ class DataPlaneServer:
 
     # -- what clients learn from INFO ------------------------------------------------------
     def info(self) -> dict:
-        arena = self.store._dram.arena  # the DRAM tier's shared-memory arena
-        directory = self.store._dram.directory
+        arena = self.store.dram.arena  # the DRAM tier's shared-memory arena
+        directory = self.store.dram.directory
         return {
             "version": VERSION,
             "node_id": self.node_id,
@@ -198,7 +197,7 @@ class DataPlaneServer:
         DIRECTORY_LIFETIME seconds more, and release leases older than the TTL."""
         ttl = self.lease_ttl
         period = HOUSEKEEPING_PERIOD if ttl is None else min(ttl / 4, HOUSEKEEPING_PERIOD)
-        directory = self.store._dram.directory
+        directory = self.store.dram.directory
         while True:
             if directory is not None:
                 directory.beat(DIRECTORY_LIFETIME)
