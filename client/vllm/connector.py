@@ -22,6 +22,10 @@ scheduler and one in each worker:
   (``LayerwiseTransfers``). A block lost between lookup and load is reported by
   ``get_block_ids_with_load_errors`` and recomputed by vLLM, never read as wrong KV.
 
+KV caches in host memory (vLLM's CPU backend) or in CUDA memory, in any layout
+``kvstore_client.vllm.layouts`` knows; on a GPU the loads and saves run on CUDA streams of
+their own (``kvstore_client.vllm.transfer``).
+
 Keys and what one stored value is: ``kvstore_client.vllm.naming``.
 """
 
@@ -41,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvstore_client.errors import ConfigError, KVStoreError
+from kvstore_client.vllm.layouts import describe, identify, layout_format
 from kvstore_client.vllm.naming import KVLayout, PoolNaming
 from kvstore_client.vllm.plans import RequestPlans, StepPlan
 from kvstore_client.vllm.settings import read_settings
@@ -95,6 +100,14 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
     return groups[0].kv_cache_spec
 
 
+def expected_format(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", spec: FullAttentionSpec):
+    """The block format this engine's KV caches store, from its resolved KV cache layout (the
+    CPU backend's, LBHNC, when none is recorded; the workers check their tensors against it)."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(vllm_config.cache_config,
+                                                                      "kv_cache_layout", None)
+    return layout_format(name or "LBHNC", spec.num_kv_heads, spec.block_size, spec.head_size, str(spec.dtype))
+
+
 class KVStoreConnector(KVConnectorBase_V1):
     """Loads prefix KV from, and stores new KV into, a kvstore pool, layer by layer."""
 
@@ -109,13 +122,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                         transfer_config.kv_load_failure_policy)
         from vllm.platforms import current_platform
 
+        self._spec = spec
         self._layer_names = layer_order(kv_cache_config.kv_cache_groups[0].layer_names)
+        self._format = expected_format(vllm_config, kv_cache_config, spec)
         layout = KVLayout(
             model=vllm_config.model_config.model, revision=vllm_config.model_config.revision or "",
             kv_dtype=f"{spec.dtype}/{vllm_config.cache_config.cache_dtype}", block_size=spec.block_size,
             num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, num_layers=len(self._layer_names),
             tp_size=vllm_config.parallel_config.tensor_parallel_size, device=current_platform.device_type,
-            hash_algo=vllm_config.cache_config.prefix_caching_hash_algo)
+            hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
+            block_format="" if self._format.is_canonical() else self._format.name())
         from kvstore_client.client import Client
 
         self._client = Client(self._settings.master, timeout=self._settings.timeout)
@@ -145,17 +161,25 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ==== worker side ========================================================================
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        layers = []
+        """Take the KV caches (host or CUDA memory, any layout ``layouts.py`` knows whose block
+        format is the one the keys are named by); ConfigError (LayoutMismatch) otherwise."""
+        layers, layouts = [], []
+        spec = self._spec
         for name in self._layer_names:
             tensor = kv_caches[name]
-            if tensor.device.type != "cpu":
-                raise ConfigError(f"KVStoreConnector moves KV caches in host memory; layer {name} is on "
+            if tensor.device.type not in ("cpu", "cuda"):
+                raise ConfigError(f"KVStoreConnector moves KV caches in host or CUDA memory; layer {name} is on "
                                   f"{tensor.device}")
-            if tensor.shape[0] != self._num_blocks or not tensor[0].is_contiguous():
-                raise ConfigError(f"KV cache layout of {name} not supported: shape {tuple(tensor.shape)}, strides "
-                                  f"{tensor.stride()}; the connector needs one contiguous slab per block")
+            family = identify(tensor.shape, self._num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size)
+            layouts.append(describe(family, tensor.shape, tensor.stride(), tensor.element_size(), str(spec.dtype),
+                                    spec.head_size))
             layers.append(tensor)
-        self._transfers = LayerwiseTransfers(self._client, self._naming, layers)
+        self._transfers = LayerwiseTransfers(self._client, self._naming, layers, layouts, block_format=self._format)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads and saves run Python between layers, which a full CUDA graph skips."""
+        return True
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         plan = self._plan()

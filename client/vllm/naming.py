@@ -12,8 +12,9 @@ A key is ``(namespace, digest)``:
   ``prefix`` is the user's namespace (``vllm`` by default; a tenant's name once the pool
   checks tokens); the fingerprint is 16 hex digits of XXH3-64 over the model, its revision,
   the KV dtype, block size, heads per rank, head size, layer count, tensor-parallel size and
-  rank, the device kind and the hash algorithm. The model tag is only there for people
-  reading ``kvstore keys``.
+  rank, the device kind and the hash algorithm, and the block's byte order where it is not
+  the CPU backend's (``kvstore_client.vllm.layouts``: layouts that store blocks in another
+  order never share keys). The model tag is only there for people reading ``kvstore keys``.
 
 One value is one block of one layer: the layer's slab of that block in the paged KV tensor,
 contiguous, so it moves with no copy and layer ``i`` can be saved as soon as its attention
@@ -44,10 +45,13 @@ class KVLayout:
     tp_size: int
     device: str
     hash_algo: str
+    block_format: str = ""  # the byte order of a stored block, when not the CPU backend's (layouts.py)
 
     def fingerprint(self, tp_rank: int) -> str:
         fields = (self.model, self.revision, self.kv_dtype, self.block_size, self.num_kv_heads,
                   self.head_size, self.num_layers, self.tp_size, tp_rank, self.device, self.hash_algo)
+        if self.block_format:  # only then: the keys of the CPU backend's order stay as they were
+            fields += (self.block_format,)
         return xxhash.xxh3_64_hexdigest("\x1f".join(map(str, fields)).encode())
 
 

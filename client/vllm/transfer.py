@@ -12,8 +12,18 @@ tensors, layer by layer, on two threads of its own so that it overlaps the model
   before the call returns), and ``finish_saves`` collects the answers before vLLM may reuse
   the blocks. A save that fails costs a later miss, never the request.
 
-Bytes move straight between the pool and each block's slab of the tensor (``kv[block]``,
-contiguous): ``get_into`` writes into it, ``put`` reads a view of it.
+Bytes move straight between the pool and each block's slab of the tensor when the layout
+keeps a block in one run (``LayerSlabs``): ``get_into`` writes into it, ``put`` reads a view
+of it; other layouts gather and scatter through one buffer per block.
+
+KV caches in GPU memory: the loader and the saver each run their copies on a CUDA stream of
+their own, so they overlap the engine's kernels. ``start`` records an event on the engine's
+current stream that the loads wait for (kernels of earlier steps may still use the blocks);
+each loaded layer records an event on the load stream, and ``wait_layer`` makes the
+engine's current stream wait for it (the engine thread waits only until the loader has
+fetched that layer, never for the device); ``save_layer`` records an event on the engine's
+stream after the layer's attention, and the saver's copies wait for it, so they read the
+KV that attention wrote.
 """
 
 from __future__ import annotations
@@ -24,8 +34,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvstore_client.buffers import byte_view
-from kvstore_client.errors import KVStoreError, PutFailed
+from kvstore_client.buffers import buffer_view
+from kvstore_client.errors import KVStoreError, LayoutMismatch, PutFailed
+from kvstore_client.vllm.layouts import BlockFormat, LayerLayout
 from kvstore_client.vllm.naming import PoolNaming
 from kvstore_client.vllm.plans import BlockTransfer
 
@@ -45,39 +56,127 @@ class TransferStats:
     load_seconds: float = 0.0
 
 
-class BlockSlabs:
-    """The blocks of one layer's paged KV tensor as writable byte views, ``slabs[block_id]``.
+class LayerSlabs:
+    """The blocks of one layer's paged KV tensor, as buffers the SDK moves.
 
-    Views are slices of one flat view of the tensor, made once (a few hundred nanoseconds a
-    block, where viewing each block of a tensor afresh costs microseconds); a tensor that is
-    not one contiguous run is viewed block by block instead."""
+    ``layout`` (``kvstore_client.vllm.layouts``) says where each block's bytes lie: a block
+    that is one run of bytes is a slice of one flat byte view of everything the tensor
+    reaches, made once (a few hundred nanoseconds a block, where viewing each block afresh
+    costs microseconds), and moves with no copy; a block in several runs (LHBNC, BHLNC, K and
+    V apart) is gathered into one buffer to save and scattered from one to load, on the
+    tensor's device. A CUDA tensor's views are DeviceViews (``kvstore_client.cuda``)."""
 
-    def __init__(self, tensor):
-        self._tensor = tensor
-        self.nbytes = tensor[0].nbytes
-        self._flat = byte_view(tensor, writable=True) if tensor.is_contiguous() else None
+    def __init__(self, tensor, layout: LayerLayout):
+        import torch
+
+        self.layout = layout
+        self.nbytes = layout.slab_bytes
+        self.device = tensor.device
+        self._flat = torch.as_strided(tensor.detach(), (layout.extent // tensor.element_size(),), (1,)).view(torch.uint8)
+        self._view = buffer_view(self._flat, writable=True) if layout.contiguous_blocks else None
 
     def __getitem__(self, block_id: int):
-        if self._flat is None:
-            return self._tensor[block_id]
-        start = block_id * self.nbytes
-        return self._flat[start : start + self.nbytes]
+        """Block ``block_id``'s bytes, for a layout whose blocks are one run each."""
+        start = block_id * self.layout.block_stride + self.layout.run_offsets[0]
+        return self._view[start : start + self.nbytes]
+
+    def gather(self, block_id: int):
+        """A new contiguous uint8 tensor (on the tensor's device) of the block's bytes, in order."""
+        import torch
+
+        return torch.cat([self._flat[start : start + n] for start, n in self.layout.runs(block_id)])
+
+    def staging(self):
+        """A buffer for one block to be loaded into, then ``scatter``ed."""
+        import torch
+
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+
+    def scatter(self, block_id: int, staged) -> None:
+        """Copy a block's bytes from ``staged`` (``staging()``) to where the layout keeps them."""
+        at = 0
+        for start, n in self.layout.runs(block_id):
+            self._flat[start : start + n].copy_(staged[at : at + n], non_blocking=True)
+            at += n
+
+    def to_save(self, block_ids: list[int]) -> list:
+        return [self[b] for b in block_ids] if self._view is not None else [self.gather(b) for b in block_ids]
+
+
+def whole_block_layout(tensor) -> LayerLayout:
+    """The layout of a tensor whose dimension 0 is the block, each block contiguous (the
+    caller knows no more about it): what vLLM's CPU backend hands over."""
+    if not tensor[0].is_contiguous():
+        raise LayoutMismatch(f"KV cache layout not supported: shape {tuple(tensor.shape)}, strides {tensor.stride()}; "
+                             "without a known layout the connector needs one contiguous slab per block")
+    itemsize = tensor.element_size()
+    slab = tensor[0].numel() * itemsize
+    extent = (sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) + 1) * itemsize
+    return LayerLayout("blocks", BlockFormat((("slab", slab),), str(tensor.dtype)), tensor.shape[0],
+                       tensor.stride(0) * itemsize, (0,), slab, extent)
 
 
 class LayerwiseTransfers:
-    """Loads and saves of one engine rank, over ``client`` (a ``kvstore_client.Client``)."""
+    """Loads and saves of one engine rank, over ``client`` (a ``kvstore_client.Client``).
 
-    def __init__(self, client, naming: PoolNaming, layers: list):
+    ``layers``: each layer's paged KV tensor, in order; ``layouts``: their ``LayerLayout``s
+    (default: dimension 0 is the block, each block contiguous); ``block_format``: the format
+    the keys of ``naming`` hold, which every layer must store (LayoutMismatch otherwise)."""
+
+    def __init__(self, client, naming: PoolNaming, layers: list, layouts: list[LayerLayout] | None = None,
+                 block_format: BlockFormat | None = None):
         self._client = client
         self._naming = naming
-        self._slabs = [BlockSlabs(tensor) for tensor in layers]  # each layer's paged KV tensor, in order
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
+        layouts = layouts if layouts is not None else [whole_block_layout(t) for t in layers]
+        for n, layout in enumerate(layouts):
+            if block_format is not None:
+                layout.format.check_readable_as(block_format)
+            if n and layout.format != layouts[0].format:
+                raise LayoutMismatch(f"layer {n} stores {layout.format.name()}, layer 0 {layouts[0].format.name()}")
+        self._slabs = [LayerSlabs(tensor, layout) for tensor, layout in zip(layers, layouts, strict=True)]
+        self._device = layers[0].device if layers and layers[0].device.type == "cuda" else None
+        start_load, start_save = self._streams()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load", initializer=start_load)
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save", initializer=start_save)
         self._layer_loaded: list[threading.Event] | None = None
+        self._layer_events: list = []  # CUDA: an event per loaded layer, on the load stream
         self._load_job: Future | None = None
         self._failed_blocks: set[int] = set()
         self._save_jobs: list[Future] = []
         self.stats = TransferStats()
+
+    def _streams(self):
+        """Thread initializers that make a stream of its own current on the loader and on the
+        saver (CUDA; nothing for host tensors)."""
+        if self._device is None:
+            return None, None
+        from kvstore_client.cuda import new_stream
+
+        device = self._device
+
+        def use_own_stream() -> None:
+            import torch
+
+            torch.cuda.set_device(device)
+            torch.cuda.set_stream(new_stream(device))
+
+        return use_own_stream, use_own_stream
+
+    def _event_now(self):
+        """An event recorded now on the calling thread's current stream (CUDA: the engine's
+        stream on the engine thread, the load stream on the loader), or None for host tensors."""
+        if self._device is None:
+            return None
+        from kvstore_client.cuda import record_event
+
+        return record_event(self._device)
+
+    def _after(self, event) -> None:
+        """Make this thread's current stream wait for ``event`` (CUDA; None: nothing to wait for)."""
+        if event is not None:
+            import torch
+
+            torch.cuda.current_stream(self._device).wait_event(event)
 
     # -- loads ---------------------------------------------------------------------------------
     def start_loads(self, loads: list[BlockTransfer]) -> None:
@@ -87,13 +186,16 @@ class LayerwiseTransfers:
             return
         events = [threading.Event() for _ in self._slabs]
         self._layer_loaded = events
-        self._load_job = self._loader.submit(self._load, loads, events)
+        self._layer_events = [None] * len(self._slabs)
+        self._load_job = self._loader.submit(self._load, loads, events, self._event_now())
 
     def wait_layer(self, layer: int) -> None:
-        """Return once layer ``layer`` of this step's loads is in the KV tensor (or failed)."""
+        """Return once layer ``layer`` of this step's loads is in the KV tensor (or failed); on a
+        GPU, once its copies are queued before the engine's next kernels (stream order)."""
         events = self._layer_loaded
         if events is not None:
             events[layer].wait()
+            self._after(self._layer_events[layer])
 
     def finish_loads(self) -> None:
         """Wait until the current step's loads are over: after this, no copy touches the tensors."""
@@ -109,37 +211,46 @@ class LayerwiseTransfers:
             log.warning("kvstore: %d blocks could not be loaded from the pool: vLLM recomputes them", len(failed))
         return failed
 
-    def _load(self, loads: list[BlockTransfer], events: list[threading.Event]) -> None:
+    def _load(self, loads: list[BlockTransfer], events: list[threading.Event], ready) -> None:
         todo = [(block_id, h) for t in loads for block_id, h in zip(t.block_ids, t.hashes)]
         start = time.perf_counter()
         try:
+            self._after(ready)  # kernels the engine queued before this step may still use the blocks
             for layer, slabs in enumerate(self._slabs):
                 try:
                     todo = self._load_layer(layer, slabs, todo)
                 finally:
+                    self._layer_events[layer] = self._event_now()  # on the load stream
                     events[layer].set()
         finally:
             for event in events:  # a failure above must not leave attention waiting
                 event.set()
+            last = self._layer_events[-1] if self._layer_events else None
+            if last is not None:
+                last.synchronize()  # scatters still queued end before finish_loads returns
             self.stats.load_seconds += time.perf_counter() - start
 
-    def _load_layer(self, layer: int, slabs: "BlockSlabs", todo: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    def _load_layer(self, layer: int, slabs: LayerSlabs, todo: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         """Load one layer of the blocks still good; the blocks still good after it."""
         if not todo:
             return todo
         keys = self._naming.keys(layer, [h for _, h in todo])
+        whole = slabs.layout.contiguous_blocks
+        buffers = [slabs[block_id] if whole else slabs.staging() for block_id, _ in todo]
         try:
-            got = self._client.batch_get_into(keys, [slabs[block_id] for block_id, _ in todo])
+            got = self._client.batch_get_into(keys, buffers)
         except (KVStoreError, OSError) as exc:
             log.warning("kvstore: loading layer %d of %d blocks failed (%s): vLLM recomputes them",
                         layer, len(todo), exc)
             got = [None] * len(todo)
         kept = []
         slab_bytes = slabs.nbytes
-        for (block_id, h), size in zip(todo, got):
+        for (block_id, h), size, buffer in zip(todo, got, buffers):
             if size != slab_bytes:  # missing, or not this layout's block (a full slab or nothing)
                 self._failed_blocks.add(block_id)
             else:
+                if not whole:
+                    slabs.scatter(block_id, buffer)
                 kept.append((block_id, h))
         self.stats.loaded += len(kept)
         self.stats.loaded_bytes += len(kept) * slab_bytes
@@ -148,9 +259,10 @@ class LayerwiseTransfers:
 
     # -- saves ---------------------------------------------------------------------------------
     def save_layer(self, layer: int, saves: list[BlockTransfer]) -> None:
-        """Queue layer ``layer`` of ``saves`` for storing; returns at once."""
+        """Queue layer ``layer`` of ``saves`` for storing; returns at once (on a GPU, the copies
+        wait for what the engine queued so far: the layer's attention)."""
         if saves:
-            self._save_jobs.append(self._saver.submit(self._save_layer, layer, saves))
+            self._save_jobs.append(self._saver.submit(self._save_layer, layer, saves, self._event_now()))
 
     def finish_saves(self) -> None:
         """Wait until every queued save is stored or known failed (vLLM may then free the blocks)."""
@@ -161,11 +273,12 @@ class LayerwiseTransfers:
             job.result()
         self._saver.submit(self._collect_answers).result()
 
-    def _save_layer(self, layer: int, saves: list[BlockTransfer]) -> None:
+    def _save_layer(self, layer: int, saves: list[BlockTransfer], ready=None) -> None:
         slabs = self._slabs[layer]
+        self._after(ready)
         for t in saves:
             try:
-                self._client.batch_put(self._naming.keys(layer, t.hashes), [slabs[b] for b in t.block_ids],
+                self._client.batch_put(self._naming.keys(layer, t.hashes), slabs.to_save(t.block_ids),
                                        depths=range(t.first_index, t.first_index + len(t.block_ids)), wait=False)
                 self.stats.saved += len(t.block_ids)
             except (KVStoreError, OSError) as exc:
