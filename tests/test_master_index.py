@@ -233,3 +233,43 @@ def test_concurrent_updates_and_lookups_stay_consistent():
         t.join()
     assert not errors, errors
     assert idx.node_counts() == {n: {"dram": 0, "ssd": 150} for n in chains}
+
+
+def test_packed_blocks_index_exactly_as_their_events():
+    """The bulk path (keys no node holds, keys other nodes hold, keys the node holds in the
+    other tier, duplicates) ends in the same index as the per-event path, change feed included."""
+    rng = random.Random(5)
+    keys = [d(i) for i in range(2000)]
+
+    def build(packed: bool):
+        idx, feed = PrefixIndex(), []
+        idx.watch(lambda changes, emptied: feed.append(changes)) if packed == "watched" else None
+        for node in ("a", "b"):
+            idx.add_node(node)
+        idx.apply("b", [(NS, stored(keys[:500], SSD))])
+        idx.apply("a", [(NS, stored(keys[400:600], SSD))])
+        batch = rng.sample(keys, 1500) + keys[:10]
+        if packed:
+            idx.replace_inventory("a", [], [(NS, DRAM, batch)])
+        else:
+            idx.replace_inventory("a", [(NS, stored(batch))])
+        return idx, feed
+
+    for variant in (True, "watched"):
+        rng.seed(5)
+        expected, _ = build(False)
+        rng.seed(5)
+        got, feed = build(variant)
+        assert got.locate(NS, keys) == expected.locate(NS, keys)
+        assert got.node_counts() == expected.node_counts()
+        assert got.list_keys(NS, 5000) == expected.list_keys(NS, 5000)
+    assert feed  # the watched index reported its changes
+
+
+def test_packed_blocks_are_validated_before_anything_changes(index):
+    index.apply("a", [(NS, stored([d(1)]))])
+    for bad, error in (((NS, 0, [d(2)]), InvalidRequest), (("", DRAM, [d(2)]), InvalidKey),
+                       ((NS, DRAM, [d(2), b""]), InvalidKey)):
+        with pytest.raises(error):
+            index.replace_inventory("a", [], [bad])
+    assert as_dicts(index.locate(NS, [d(1), d(2)])) == [{"a": DRAM}, {}]

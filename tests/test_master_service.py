@@ -147,6 +147,12 @@ def test_list_keys_pages(stub, cluster):
     ("ReportBlocks", pb.BlockReport(node_id="a", batches=[pb.EventBatch(namespace=NS, events=[
         pb.BlockEvent(kind=pb.BlockEvent.KIND_UNSPECIFIED, tier=pb.DRAM, digest=d(1))])])),
     ("ReportBlocks", pb.BlockReport(node_id="a", batches=[pb.EventBatch(namespace="", events=[])])),
+    *[("ReportBlocks", pb.BlockReport(node_id="a", packed=[pb.PackedBlocks(namespace=NS, **bad)])) for bad in (
+        {"tier": pb.DRAM, "digest_len": 16, "digests": d(1) + b"x"},  # does not split evenly
+        {"tier": pb.DRAM, "digest_len": 0, "digests": b""}, {"tier": pb.DRAM, "digest_len": 65, "digests": b"x" * 65},
+        {"tier": pb.TIER_UNSPECIFIED, "digest_len": 16, "digests": d(1)})],
+    ("ReportBlocks", pb.BlockReport(node_id="a", packed=[pb.PackedBlocks(namespace="", tier=pb.DRAM, digest_len=16,
+                                                                          digests=d(1))])),
     ("Register", pb.RegisterRequest(info=pb.NodeInfo(node_id=""))),
     *[("Register", pb.RegisterRequest(info=pb.NodeInfo(node_id="new", **bad))) for bad in (
         {"data_address": "no-port"}, {"data_address": "h:0"}, {"data_address": "h:65536"},
@@ -244,3 +250,14 @@ def test_bench_runs_small(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["indexed_keys"] == 320 and result["entries"] == 480
     assert set(result["keys_per_s"]) >= {"locate_chain", "locate_mixed", "match_prefix"}
+
+
+def test_a_packed_inventory_replaces_the_nodes_blocks(stub, cluster, server):
+    assert stub.Register(pb.RegisterRequest(info=node_info("a", "m1"))).packed_reports
+    packed = [pb.PackedBlocks(namespace=NS, tier=pb.SSD, digest_len=16, digests=d(7) + d(8) + d(7)),
+              pb.PackedBlocks(namespace="zz", tier=pb.DRAM, digest_len=2, digests=b"ab")]
+    assert stub.ReportBlocks(pb.BlockReport(node_id="a", full_inventory=True, packed=packed)).known
+    located = stub.Locate(pb.KeyBatch(namespace=NS, digests=[d(1), d(7), d(8)]))
+    assert [[(r.node_id, r.tier) for r in loc.replicas] for loc in located.locations] == [
+        [("b", pb.SSD)], [("a", pb.SSD)], [("a", pb.SSD)]]  # a's old blocks gone, b's stay
+    assert server.index.node_counts()["a"] == {"dram": 1, "ssd": 2}  # d(7) listed twice, counted once

@@ -98,14 +98,16 @@ class TenantBytes(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("heartbeat_interval_s", "ttl_s", "allowances")
+    __slots__ = ("heartbeat_interval_s", "ttl_s", "allowances", "packed_reports")
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     ALLOWANCES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_REPORTS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_s: float
     ttl_s: float
     allowances: _containers.RepeatedCompositeFieldContainer[TenantBytes]
-    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., allowances: _Optional[_Iterable[_Union[TenantBytes, _Mapping]]] = ...) -> None: ...
+    packed_reports: bool
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., allowances: _Optional[_Iterable[_Union[TenantBytes, _Mapping]]] = ..., packed_reports: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "tiers", "held")
@@ -151,15 +153,29 @@ class EventBatch(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
     def __init__(self, namespace: _Optional[str] = ..., events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...
 
+class PackedBlocks(_message.Message):
+    __slots__ = ("namespace", "tier", "digest_len", "digests")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_LEN_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    tier: Tier
+    digest_len: int
+    digests: bytes
+    def __init__(self, namespace: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., digest_len: _Optional[int] = ..., digests: _Optional[bytes] = ...) -> None: ...
+
 class BlockReport(_message.Message):
-    __slots__ = ("node_id", "full_inventory", "batches")
+    __slots__ = ("node_id", "full_inventory", "batches", "packed")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FULL_INVENTORY_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     full_inventory: bool
     batches: _containers.RepeatedCompositeFieldContainer[EventBatch]
-    def __init__(self, node_id: _Optional[str] = ..., full_inventory: _Optional[bool] = ..., batches: _Optional[_Iterable[_Union[EventBatch, _Mapping]]] = ...) -> None: ...
+    packed: _containers.RepeatedCompositeFieldContainer[PackedBlocks]
+    def __init__(self, node_id: _Optional[str] = ..., full_inventory: _Optional[bool] = ..., batches: _Optional[_Iterable[_Union[EventBatch, _Mapping]]] = ..., packed: _Optional[_Iterable[_Union[PackedBlocks, _Mapping]]] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("known",)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from itertools import chain
+from itertools import chain, repeat
 from typing import Callable, Iterable, Sequence
 
 from kvstore.master.errors import InvalidRequest
@@ -52,6 +52,7 @@ TIER_NAMES = {DRAM: "dram", SSD: "ssd"}
 
 Holders = tuple  # tuple[tuple[str, int], ...], interned
 Event = tuple  # (kind, tier, digest)
+Stored = tuple  # (namespace, tier, digests): blocks now present in one tier (a packed inventory)
 Batch = tuple  # (namespace, Sequence[Event])
 Change = tuple  # (digest, holders before, holders after)
 ChangeSink = Callable[[list[tuple[str, list[Change]]], bool], None]  # (changes, emptied)
@@ -85,6 +86,19 @@ def check_batches(batches: Iterable[Batch]) -> list[tuple[str, list[Event]]]:
                 raise InvalidRequest(f"event kind must be STORED ({STORED}) or REMOVED ({REMOVED}), got {kind}")
         check_digests([e[2] for e in events])
         out.append((namespace, events))
+    return out
+
+
+def check_stored(stored: Iterable[Stored]) -> list[tuple[str, int, list[bytes]]]:
+    """Validate packed STORED blocks; return them as a list of (namespace, tier, digests list)."""
+    out = []
+    for namespace, tier, digests in stored:
+        check_namespace(namespace)
+        if tier != DRAM and tier != SSD:
+            raise InvalidRequest(f"stored blocks need tier DRAM ({DRAM}) or SSD ({SSD}), got {tier}")
+        digests = list(digests)
+        check_digests(digests)
+        out.append((namespace, tier, digests))
     return out
 
 
@@ -145,37 +159,45 @@ class PrefixIndex:
             return node_id in self._by_node
 
     # -- updates ----------------------------------------------------------------------------
-    def apply(self, node_id: str, batches: Iterable[Batch]) -> bool:
-        """Apply a node's event batches in order. False (nothing applied) if the node is unknown."""
-        checked = check_batches(batches)
+    def apply(self, node_id: str, batches: Iterable[Batch], stored: Iterable[Stored] = ()) -> bool:
+        """Apply a node's event batches in order, then its ``stored`` blocks. False (nothing
+        applied) if the node is unknown."""
+        checked, packed = check_batches(batches), check_stored(stored)
         with self._lock:
             if node_id not in self._by_node:
                 return False
-            before = self._holders_now(_digests_of(checked)) if self._sink else None
-            for namespace, events in checked:
-                self._apply_batch(node_id, namespace, events)
-            if before is not None:
-                self._report(before)
+            self._apply_all(node_id, checked, packed, drop_first=False)
             return True
 
-    def replace_inventory(self, node_id: str, batches: Iterable[Batch]) -> bool:
-        """Replace everything indexed for ``node_id`` by these batches (its full inventory).
+    def replace_inventory(self, node_id: str, batches: Iterable[Batch], stored: Iterable[Stored] = ()) -> bool:
+        """Replace everything indexed for ``node_id`` by these batches and ``stored`` blocks (its
+        full inventory, or the first part of it: the rest follows through ``apply``).
 
         Normally STORED events only; REMOVED events are applied in order like any
         other. False (nothing changed) if the node is unknown.
         """
-        checked = check_batches(batches)
+        checked, packed = check_batches(batches), check_stored(stored)
         with self._lock:
             if node_id not in self._by_node:
                 return False
-            before = (self._holders_now(chain(self._by_node[node_id].items(), _digests_of(checked)))
-                      if self._sink else None)
-            self._drop_entries(node_id)
-            for namespace, events in checked:
-                self._apply_batch(node_id, namespace, events)
-            if before is not None:
-                self._report(before)
+            self._apply_all(node_id, checked, packed, drop_first=True)
             return True
+
+    def _apply_all(self, node: str, checked: list, packed: list, drop_first: bool) -> None:
+        """Under _lock: (drop the node's entries, then) apply validated batches and packed blocks."""
+        if self._sink:  # the change feed needs each key's before and after: go event by event
+            checked = checked + [(ns, [(STORED, tier, d) for d in digests]) for ns, tier, digests in packed]
+            packed = []
+            held = self._by_node[node].items() if drop_first else ()
+            before = self._holders_now(chain(held, _digests_of(checked)))
+        if drop_first:
+            self._drop_entries(node)
+        for namespace, events in checked:
+            self._apply_batch(node, namespace, events)
+        for namespace, tier, digests in packed:
+            self._store_many(node, namespace, tier, digests)
+        if self._sink:
+            self._report(before)
 
     def _holders_now(self, keys: Iterable[tuple[str, Iterable[bytes]]]) -> dict[str, dict[bytes, Holders]]:
         """Under _lock: {namespace: {digest: holders}} of these keys, before a change (for _report)."""
@@ -232,6 +254,22 @@ class PrefixIndex:
         if not keys:
             del self._by_node[node][namespace]
         self._changed(namespace, table)
+
+    def _store_many(self, node: str, namespace: str, tier: int, digests: list[bytes]) -> None:
+        """Under _lock: ``digests`` now held by ``node`` in ``tier``, in bulk: keys no node holds
+        yet (all of them, after a restart) take one shared holders tuple, inserted by dict and
+        set updates in C; keys held already take the per-event path."""
+        table = self._table.setdefault(namespace, {})
+        held = [d for d in digests if d in table] if table else []
+        if held:
+            known = set(held)
+            digests = [d for d in digests if d not in known]
+        table.update(zip(digests, repeat(self._intern([(node, tier)]))))
+        keys = self._by_node[node].setdefault(namespace, set())
+        before = len(keys)
+        keys.update(digests)
+        self._counts[node][tier] += len(keys) - before  # a digest listed twice counts once
+        self._apply_batch(node, namespace, [(STORED, tier, d) for d in held])  # also notes the change
 
     def _drop_entries(self, node: str) -> None:
         """Under _lock: remove every block of ``node`` from the table (the node stays known)."""

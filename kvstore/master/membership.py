@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterable
 
 from kvstore.master.errors import InvalidRequest
-from kvstore.master.index import Batch, PrefixIndex
+from kvstore.master.index import Batch, PrefixIndex, Stored
 from kvstore_client.errors import KVStoreError
 
 MAX_NODE_ID_LEN = 256
@@ -169,8 +169,9 @@ class Membership:
             return True
 
     def report(self, node_id: str, batches: Iterable[Batch], full_inventory: bool = False,
-               credential: str = "") -> bool:
-        """Apply a node's block events (or replace its inventory). False if the node is unknown.
+               credential: str = "", stored: Iterable[Stored] = ()) -> bool:
+        """Apply a node's block events and packed ``stored`` blocks (or replace its inventory
+        by them). False if the node is unknown.
 
         Bad events raise (InvalidKey / InvalidRequest), and a credential other than the
         registrant's raises NodeIdInUse, before anything changes.
@@ -180,7 +181,7 @@ class Membership:
             if state is not None:
                 _check_holder(state, credential)
         index = self.index
-        applied = (index.replace_inventory if full_inventory else index.apply)(node_id, batches)
+        applied = (index.replace_inventory if full_inventory else index.apply)(node_id, batches, stored)
         if applied:
             self.touch(node_id)
         return applied

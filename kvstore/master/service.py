@@ -38,7 +38,7 @@ from kvstore.master.membership import (
     TierStats,
     check_node_id,
 )
-from kvstore.master.validation import check_node_info, check_tier_stats
+from kvstore.master.validation import check_node_info, check_tier_stats, unpack_digests
 from kvstore.master.placement import Candidate, Placement
 from kvstore.master.quotas import Quotas
 from kvstore_client.errors import (
@@ -155,7 +155,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         info = check_node_info(info_from_pb(request.info))
         self.membership.register(info, credential=credential_of(context))
         return pb.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s, ttl_s=self.membership.ttl_s,
-                                allowances=self._allowances(info.node_id, None))
+                                allowances=self._allowances(info.node_id, None), packed_reports=True)
 
     @_rpc
     def Heartbeat(self, request, context):
@@ -177,8 +177,9 @@ class MasterServicer(pb_grpc.MasterServicer):
     def ReportBlocks(self, request, context):
         check_node_id(request.node_id)
         batches = [(b.namespace, [(e.kind, e.tier, e.digest) for e in b.events]) for b in request.batches]
+        stored = [(p.namespace, p.tier, unpack_digests(p.digests, p.digest_len)) for p in request.packed]
         known = self.membership.report(request.node_id, batches, full_inventory=request.full_inventory,
-                                       credential=credential_of(context))
+                                       credential=credential_of(context), stored=stored)
         return pb.ReportReply(known=known)
 
     @_rpc

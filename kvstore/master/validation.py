@@ -12,6 +12,7 @@ from typing import Iterable
 
 from kvstore.master.errors import InvalidRequest
 from kvstore.master.membership import NodeInfo, TierStats
+from kvstore_client.keys import MAX_DIGEST_LEN
 
 MAX_TEXT_LEN = 256  # host, machine id, arena name
 MAX_PATH_LEN = 108  # a Unix socket path (sun_path)
@@ -75,3 +76,12 @@ def check_tier_stats(tiers: Iterable[TierStats]) -> list[TierStats]:
             if not 0 <= getattr(t, name) <= MAX_COUNT:
                 raise InvalidRequest(f"tier {t.tier} {name} must be 0..{MAX_COUNT}")
     return tiers
+
+
+def unpack_digests(packed: bytes, digest_len: int) -> list[bytes]:
+    """The digests of a PackedBlocks string: InvalidRequest unless it splits evenly into 1..64-byte digests."""
+    if not 0 < digest_len <= MAX_DIGEST_LEN:
+        raise InvalidRequest(f"packed digests are 1..{MAX_DIGEST_LEN} bytes each, got digest_len {digest_len}")
+    if len(packed) % digest_len:
+        raise InvalidRequest(f"{len(packed)} bytes of packed digests do not split into {digest_len}-byte digests")
+    return [packed[i:i + digest_len] for i in range(0, len(packed), digest_len)]
