@@ -438,6 +438,11 @@ class Client:
     def cluster_status(self) -> pb.ClusterStatusReply:
         return self._call(self._stub.ClusterStatus, pb.ClusterStatusRequest())
 
+    def drain(self, node_id: str, cancel: bool = False) -> pb.DrainReply:
+        """Take a storage node out of service (admin): no new placements on it, blocks only it
+        holds copied to other nodes, then its blocks leave the index. ``cancel``: back in service."""
+        return self._call(self._stub.Drain, pb.DrainRequest(node_id=node_id, cancel=cancel))
+
     def list_keys(self, namespace: str = "", limit: int = 100, start_after: bytes = b"") -> pb.ListKeysReply:
         return self._call(self._stub.ListKeys, pb.ListKeysRequest(namespace=namespace, limit=limit,
                                                                    start_after=start_after))

@@ -1,6 +1,8 @@
-"""What `kvstore status` and `kvstore keys` show: master replies as records and tables."""
+"""What `kvstore status`, `kvstore keys` and `kvstore drain` show: master replies as records and tables."""
 
 from __future__ import annotations
+
+import time
 
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore.units import format_size
@@ -25,9 +27,21 @@ def cluster_status_record(reply: pb.ClusterStatusReply) -> dict:
             "data_address": node.info.data_address, "metrics_address": node.info.metrics_address,
             "arena_pages": node.info.arena_pages or None,
             "seconds_since_heartbeat": round(node.seconds_since_heartbeat, 2),
-            "indexed_blocks": node.indexed_blocks, "tiers": tiers,
+            "indexed_blocks": node.indexed_blocks, "draining": node.draining, "tiers": tiers,
         })
     return {"nodes": nodes, "indexed_keys": reply.indexed_keys, "replication_factor": reply.replication_factor}
+
+
+def wait_drained(client, node_id: str, timeout: float) -> bool:
+    """Poll ClusterStatus until the node has no block in the index (True) or ``timeout`` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        node = next((n for n in client.cluster_status().nodes if n.info.node_id == node_id), None)
+        if node is None or node.indexed_blocks == 0:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -39,7 +53,8 @@ def format_status(record: dict) -> str:
     header = ["node", "alive", "address", "tier", "used / capacity", "blocks", "hit rate", "evictions"]
     rows = []
     for node in record["nodes"]:
-        first = [node["node_id"], "yes" if node["alive"] else "no", node["data_address"]]
+        alive = ("yes" if node["alive"] else "no") + (", draining" if node.get("draining") else "")
+        first = [node["node_id"], alive, node["data_address"]]
         for i, (name, t) in enumerate(sorted(node["tiers"].items())):
             hit = "-" if t["hit_rate"] is None else f"{100 * t['hit_rate']:.1f}%"
             if name == "dram" and node.get("arena_pages"):  # huge pages: same-host copies at memory speed

@@ -557,6 +557,41 @@ def status(master_address, as_json, **credentials) -> None:
 
 
 @main.command()
+@click.argument("node_id")
+@click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True,
+              help="The master's host:port, or etcd://HOST:PORT[,...][/PREFIX] (masters with --etcd).")
+@click.option("--cancel", is_flag=True, help="Put the node back in service instead.")
+@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="Seconds to wait until the node's blocks have left the index (0: do not wait).")
+@client_security_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def drain(node_id, master_address, cancel, wait_s, as_json, **credentials) -> None:
+    """Take storage node NODE_ID out of service before stopping it (admin token): no new
+    placements on it; blocks only it holds are copied to other nodes, then its blocks leave
+    the index. It keeps serving until it is stopped."""
+    from kvstore.admin import wait_drained
+
+    with connect(master_address, **credentials) as client:
+        reply = client.drain(node_id, cancel=cancel)
+        if not reply.known:
+            raise click.ClickException(f"the master knows no node {node_id!r} (see kvstore status)")
+        record = {"node_id": node_id, "draining": not cancel, "indexed_blocks": reply.indexed_blocks,
+                  "copying": reply.copying}
+        if wait_s and not cancel:
+            record["drained"] = wait_drained(client, node_id, wait_s)
+    if as_json:
+        click.echo(json.dumps(record))
+    elif cancel:
+        click.echo(f"node {node_id} is back in service")
+    else:
+        click.echo(f"draining node {node_id}: {reply.indexed_blocks} blocks indexed, {reply.copying} held by no "
+                   f"other node are being copied" + {True: "; done", False: "; not done yet", None: ""}[
+                       record.get("drained")])
+    if record.get("drained") is False:
+        raise SystemExit(1)
+
+
+@main.command()
 @click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True,
               help="The master's host:port, or etcd://HOST:PORT[,...][/PREFIX] (masters with --etcd).")
 @click.option("--namespace", default="", help="Only this namespace (default: all).")

@@ -103,6 +103,9 @@ def channel(pool):
         yield ch
 
 
+ADMIN_ONLY = {"Master/Drain"}  # operator actions: neither nodes nor tenants
+
+
 def test_every_method_has_roles():
     """A method missing from METHOD_ROLES is refused to everyone: someone must decide who calls it."""
     declared = {f"{s.name}/{m.name}" for s, m in METHODS}
@@ -113,7 +116,8 @@ def test_every_method_has_roles():
             f"{service.name}/{method.name} streams: teach AuthGate to gate it first"
     for name, roles in METHOD_ROLES.items():
         assert ADMIN_ROLE in roles, name
-        assert (NODE_ROLE in roles) != (TENANT_ROLE in roles), f"{name}: nodes or tenants, not both"
+        assert not {NODE_ROLE, TENANT_ROLE} <= roles, f"{name}: nodes or tenants, not both"
+        assert roles != {ADMIN_ROLE} or name in ADMIN_ONLY, f"{name}: admin only, but not said so in ADMIN_ONLY"
 
 
 @pytest.mark.parametrize("service,method", METHODS, ids=IDS)

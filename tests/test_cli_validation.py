@@ -24,6 +24,7 @@ LOWEST = {
     ("node", "lease_ttl"): 0, ("up", "lease_ttl"): 0,  # 0: leases never expire
     ("token", "quota"): 0,
     ("router", "port"): 0, ("router", "index_wait"): 0,  # 0: any free port; do not wait for the index
+    ("drain", "wait_s"): 0,  # 0: do not wait
 }
 PORTS = {"port", "data_port", "metrics_port"}
 

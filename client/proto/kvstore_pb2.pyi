@@ -70,18 +70,20 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("info", "tiers", "alive", "seconds_since_heartbeat", "indexed_blocks")
+    __slots__ = ("info", "tiers", "alive", "seconds_since_heartbeat", "indexed_blocks", "draining")
     INFO_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     info: NodeInfo
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     alive: bool
     seconds_since_heartbeat: float
     indexed_blocks: int
-    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., alive: _Optional[bool] = ..., seconds_since_heartbeat: _Optional[float] = ..., indexed_blocks: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., alive: _Optional[bool] = ..., seconds_since_heartbeat: _Optional[float] = ..., indexed_blocks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("info",)
@@ -271,6 +273,24 @@ class DeregisterReply(_message.Message):
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     known: bool
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("node_id", "cancel")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    cancel: bool
+    def __init__(self, node_id: _Optional[str] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("known", "indexed_blocks", "copying")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COPYING_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    indexed_blocks: int
+    copying: int
+    def __init__(self, known: _Optional[bool] = ..., indexed_blocks: _Optional[int] = ..., copying: _Optional[int] = ...) -> None: ...
 
 class ListKeysRequest(_message.Message):
     __slots__ = ("namespace", "limit", "start_after")

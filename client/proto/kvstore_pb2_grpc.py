@@ -79,6 +79,11 @@ class MasterStub:
                 request_serializer=kvstore__pb2.DeregisterRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.DeregisterReply.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvstore.v1.Master/Drain',
+                request_serializer=kvstore__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -139,6 +144,14 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """An operator taking a live node out of service (admin only): no new placements on it;
+        blocks only it holds are copied to other nodes, then all of its blocks leave the index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +199,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Deregister,
                     request_deserializer=kvstore__pb2.DeregisterRequest.FromString,
                     response_serializer=kvstore__pb2.DeregisterReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvstore__pb2.DrainRequest.FromString,
+                    response_serializer=kvstore__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +449,33 @@ class Master:
             '/kvstore.v1.Master/Deregister',
             kvstore__pb2.DeregisterRequest.SerializeToString,
             kvstore__pb2.DeregisterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Master/Drain',
+            kvstore__pb2.DrainRequest.SerializeToString,
+            kvstore__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

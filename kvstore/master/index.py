@@ -142,6 +142,11 @@ class PrefixIndex:
             self._by_node[node_id] = {}
             self._counts[node_id] = [0, 0, 0]
 
+    def node_keys(self, node_id: str) -> list[tuple[str, list[bytes]]]:
+        """[(namespace, digests)] of every block indexed for ``node_id`` (a snapshot)."""
+        with self._lock:
+            return [(ns, list(digests)) for ns, digests in self._by_node.get(node_id, {}).items()]
+
     def drop_node(self, node_id: str) -> bool:
         """Forget ``node_id`` and every block it holds, in O(its keys). False if unknown."""
         with self._lock:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterable
 
 from kvstore.master.errors import InvalidRequest
-from kvstore.master.index import Batch, PrefixIndex, Stored
+from kvstore.master.index import REMOVED, Batch, PrefixIndex, Stored
 from kvstore_client.errors import KVStoreError
 
 MAX_NODE_ID_LEN = 256
@@ -122,6 +122,7 @@ class Membership:
         self._clock = clock
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeState] = {}
+        self._draining: set[str] = set()  # node ids out of service (kept across re-registration)
 
     def register(self, info: NodeInfo, credential: str = "") -> None:
         """Add or replace a node; its index entries start empty (it reports its inventory next).
@@ -180,6 +181,9 @@ class Membership:
             state = self._nodes.get(node_id)
             if state is not None:
                 _check_holder(state, credential)
+            draining = node_id in self._draining
+        if draining:  # its blocks stay out of the index: only removals count
+            batches, stored = [(ns, [e for e in events if e[0] == REMOVED]) for ns, events in batches], ()
         index = self.index
         applied = (index.replace_inventory if full_inventory else index.apply)(node_id, batches, stored)
         if applied:
@@ -206,8 +210,29 @@ class Membership:
             if credential is not None and not _same(held.credential, credential):
                 raise NodeIdInUse(f"node id {node_id!r} was registered by another process: not removed")
             del self._nodes[node_id]
+            self._draining.discard(node_id)
             self.index.drop_node(node_id)
             return True
+
+    def set_draining(self, node_id: str, draining: bool) -> bool:
+        """Take a node out of service (no placements, its reports not indexed) or back in.
+        False if the node is unknown."""
+        with self._lock:
+            if node_id not in self._nodes:
+                return False
+            (self._draining.add if draining else self._draining.discard)(node_id)
+            return True
+
+    def is_draining(self, node_id: str) -> bool:
+        with self._lock:
+            return node_id in self._draining
+
+    def placeable_nodes(self) -> list[NodeState]:
+        """Live nodes that take placements: not draining."""
+        with self._lock:
+            deadline = self._clock() - self.ttl_s
+            return [self._nodes[n] for n in sorted(self._nodes)
+                    if self._nodes[n].last_seen >= deadline and n not in self._draining]
 
     def known(self, node_id: str) -> bool:
         with self._lock:

@@ -35,6 +35,7 @@ from typing import Callable
 
 import grpc
 
+from kvstore.master.drain import Drainer
 from kvstore.master.election import Election, EtcdOptions, LeaderGate
 from kvstore.master.conductor_service import ConductorServicer, SchedulingOptions
 from kvstore.scheduler.cost_model import CostModel
@@ -79,12 +80,14 @@ class MasterServer:
         self.membership = Membership(self.index, ttl_s=ttl_s, clock=clock)
         self.placement = Placement(replication_factor)
         self.quotas = Quotas(access) if access is not None else None
-        self.servicer = MasterServicer(self.membership, self.placement, heartbeat_interval_s, self.quotas)
         self.access, self.tls = access, tls
         dialing = dialing or (tls.dialing(None) if tls is not None else NO_CREDENTIALS)
         if dialing.data_key is None and access is not None:  # the replicator's PULLs need a node's key
             dialing = dataclasses.replace(dialing, key=access.service_key())
         self.replicator = Replicator(self._data_address, dialing)
+        self.drainer = Drainer(self.membership, self.replicator)
+        self.servicer = MasterServicer(self.membership, self.placement, heartbeat_interval_s, self.quotas,
+                                       drainer=self.drainer)
         self.conductor = ConductorServicer(self.index, self.replicator, scheduling or SchedulingOptions(),
                                            self.servicer._count, cost=cost)
         self._max_workers = max_workers

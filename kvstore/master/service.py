@@ -28,6 +28,7 @@ import grpc
 
 from kvstore.master import index as ix
 from kvstore.master.credentials import credential_of
+from kvstore.master.drain import Drainer
 from kvstore.master.errors import InvalidRequest
 from kvstore.master.membership import (
     NODE_INFO_FIELDS,
@@ -126,8 +127,9 @@ class MasterServicer(pb_grpc.MasterServicer):
     """Serves the Master service over a PrefixIndex, a Membership and a Placement."""
 
     def __init__(self, membership: Membership, placement: Placement, heartbeat_interval_s: float,
-                 quotas: Quotas | None = None):
+                 quotas: Quotas | None = None, drainer: Drainer | None = None):
         self.membership = membership
+        self.drainer = drainer  # serves Drain; without one Drain is refused (INVALID_ARGUMENT)
         self.quotas = quotas  # tenant quotas (kvstore.master.quotas), when the access file sets any
         self.index = membership.index
         self.placement = placement
@@ -192,6 +194,19 @@ class MasterServicer(pb_grpc.MasterServicer):
             log.info("node %s left (deregistered) with its blocks", request.node_id)
         return pb.DeregisterReply(known=known)
 
+    @_rpc
+    def Drain(self, request, context):
+        check_node_id(request.node_id)
+        if self.drainer is None:
+            raise InvalidRequest("this master does not drain nodes")
+        if request.cancel:
+            return pb.DrainReply(known=self.drainer.cancel(request.node_id))
+        started = self.drainer.start(request.node_id)
+        if started is None:
+            return pb.DrainReply(known=False)
+        indexed, copying = started
+        return pb.DrainReply(known=True, indexed_blocks=indexed, copying=copying)
+
     # -- lookups -----------------------------------------------------------------------------
     @_rpc
     def Locate(self, request, context):
@@ -237,7 +252,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             self.quotas.check_place(caller())
         counts = self.index.node_counts()
         with self._place_lock:  # rank and charge as one step: concurrent writers spread out
-            live = {s.node_id: s for s in self.membership.live_nodes()}
+            live = {s.node_id: s for s in self.membership.placeable_nodes()}
             candidates = [
                 Candidate(n, s.info.machine_id, s.dram_free(), sum(counts.get(n, {}).values())) for n, s in live.items()
             ]
@@ -257,6 +272,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             statuses.append(pb.NodeStatus(
                 info=info_to_pb(state.info), tiers=tiers_to_pb(state.tiers), alive=since <= membership.ttl_s,
                 seconds_since_heartbeat=since, indexed_blocks=sum(counts.get(state.node_id, {}).values()),
+                draining=membership.is_draining(state.node_id),
             ))
         indexed = self.index.size()
         if principal.confined:

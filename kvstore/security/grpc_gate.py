@@ -25,6 +25,7 @@ METHOD_ROLES: dict[str, frozenset] = {
     "Master/Heartbeat": _MEMBERSHIP,
     "Master/ReportBlocks": _MEMBERSHIP,
     "Master/Deregister": _MEMBERSHIP,
+    "Master/Drain": frozenset({ADMIN}),
     "Master/Locate": _DATA,
     "Master/MatchPrefix": _DATA,
     "Master/Place": _DATA,
