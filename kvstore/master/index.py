@@ -265,10 +265,9 @@ class PrefixIndex:
         yet (all of them, after a restart) take one shared holders tuple, inserted by dict and
         set updates in C; keys held already take the per-event path."""
         table = self._table.setdefault(namespace, {})
-        held = [d for d in digests if d in table] if table else []
+        held = table.keys() & digests if table else ()  # a C loop over digests
         if held:
-            known = set(held)
-            digests = [d for d in digests if d not in known]
+            digests = [d for d in digests if d not in held]
         table.update(zip(digests, repeat(self._intern([(node, tier)]))))
         keys = self._by_node[node].setdefault(namespace, set())
         before = len(keys)
