@@ -1,8 +1,8 @@
 """Put and get throughput to a node from its own host and from another host, in network namespaces.
 
-    python -m bench.multihost --json        (root, Linux: tests.netns makes the hosts)
+    python -m bench.multihost --json        (root, Linux: bench.netns makes the hosts)
 
-Three simulated hosts on one bridge (``tests.netns``: a network namespace, a veth and a
+Three simulated hosts on one bridge (``bench.netns``: a network namespace, a veth and a
 machine id each): M runs the master, N a storage node, C nothing but a client. The same
 node is measured along three paths, by clients that are real processes in their hosts:
 
@@ -76,7 +76,7 @@ def transport(path):
 
 
 def run(sizes: list[int], working_set: int, repeats: int, dram: int) -> dict:
-    from tests.netns import Network
+    from bench.netns import Network
     from tests.processes import start_master, start_node
 
     with tempfile.TemporaryDirectory() as tmp, Network() as net:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dram", default="256MiB", help="the node's DRAM tier (old rounds are evicted)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    from tests.netns import unavailable
+    from bench.netns import unavailable
 
     reason = unavailable()
     if reason:

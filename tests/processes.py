@@ -16,7 +16,7 @@ class Service:
     """A `kvstore` subprocess that printed one JSON line saying where it listens."""
 
     def __init__(self, args: list[str], prefix: tuple[str, ...] = ()):
-        """``prefix``: what runs the command, e.g. ``ip netns exec NAME`` (tests.netns; it execs
+        """``prefix``: what runs the command, e.g. ``ip netns exec NAME`` (bench.netns; it execs
         the command, so ``proc.pid`` is the service's own pid)."""
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         self.args = args

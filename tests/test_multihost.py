@@ -1,6 +1,6 @@
 """Several hosts for real: the master, nodes and clients each in a network namespace of their own.
 
-Hosts (tests.netns): M runs the master, A and B a storage node each, C only clients;
+Hosts (bench.netns): M runs the master, A and B a storage node each, C only clients;
 every host has its own address on one bridge and its own machine id, and every
 service and client is a real process in its host, speaking TCP across the bridge and,
 within a host, the Unix socket and shared memory. The pool checks tokens (``--auth``):
@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.access_files import ADMIN, TENANT_A, WRONG, write_access_file
-from tests.netns import ETC_NETNS, PREFIX, Network, NetnsUnavailable, unavailable
+from bench.netns import ETC_NETNS, PREFIX, Network, NetnsUnavailable, unavailable
 from tests.processes import start_master, start_node, wait_for
 
 KiB = 1024
