@@ -50,7 +50,7 @@ def command_defaults(document: dict, command: click.Command, name: str, path: st
         raise ConfigError(f"{path}: [{name}] must be a table")
     options = {}
     for param in command.params:
-        if isinstance(param, click.Option) and param.expose_value:
+        if isinstance(param, click.Option) and param.name != "config":  # shm-dir too: it acts in its callback
             for flag in param.opts:
                 options[flag.lstrip("-")] = param.name
             options[param.name] = param.name

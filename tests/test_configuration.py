@@ -5,6 +5,7 @@ generated from the same definitions and current."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -94,3 +95,16 @@ def test_the_cost_model_reaches_the_conductor():
 
 def test_the_configuration_doc_is_current():
     assert configuration_doc(["--check"]) == 0, "run: python -m kvstore.configuration_doc"
+
+
+def test_a_file_may_set_the_shared_memory_directory(tmp_path):
+    """--shm-dir acts in its callback (it is no StoreConfig field) and still takes a file value."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'[node]\nshm-dir = "{tmp_path / "missing"}"\n')
+    keep_env = {"KVSTORE_SHM_DIR": None}  # the callback exports it; CliRunner restores what env names
+    refused = CliRunner().invoke(main, ["config", "node", "--config", str(config)], env=keep_env)
+    assert refused.exit_code == 2 and "--shm-dir" in refused.output and "not a directory" in refused.output
+    (tmp_path / "shm").mkdir()
+    config.write_text(f'[node]\nshm-dir = "{tmp_path / "shm"}"\n')
+    assert CliRunner().invoke(main, ["config", "node", "--config", str(config)], env=keep_env).exit_code == 0
+    assert "KVSTORE_SHM_DIR" not in os.environ
