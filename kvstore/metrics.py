@@ -70,7 +70,9 @@ def render(samples: Iterable[Sample]) -> str:
 class MetricsServer:
     """Serves ``render(collect())`` at GET /metrics until stop(); binds and starts in the constructor.
     With ``access`` (an AccessList) only an admin token (``Authorization: Bearer <token>``, as
-    Prometheus' scrape configs send it) is answered: 401 without one, 403 for other roles."""
+    Prometheus' scrape configs send it) is answered: 401 without one, 403 for other roles.
+    GET /health answers 200 ``ok`` to anyone (a liveness probe carries no token; it tells
+    nothing but that the process serves HTTP)."""
 
     def __init__(self, port: int, collect: Callable[[], Iterable[Sample]], host: str = "127.0.0.1", access=None):
         self._collect = collect
@@ -108,10 +110,13 @@ class MetricsServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                if self.path.split("?", 1)[0] == "/health":
+                    self._reply(200, "text/plain; charset=utf-8", b"ok\n")
+                    return
                 if access is not None and not self._admitted():
                     return
                 if self.path.split("?", 1)[0] != "/metrics":
-                    self._reply(404, "text/plain; charset=utf-8", b"not found: try /metrics\n")
+                    self._reply(404, "text/plain; charset=utf-8", b"not found: try /metrics or /health\n")
                     return
                 try:
                     body = render(collect()).encode()

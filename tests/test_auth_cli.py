@@ -171,3 +171,5 @@ def test_metrics_with_an_access_file_want_an_admin_token(up, which):
     assert scrape(address, TENANT_A) == 403
     assert scrape(address, NODE) == 403
     assert scrape(address, ADMIN) == 200
+    with urllib.request.urlopen(f"http://{address}/health", timeout=TIMEOUT) as health:  # probes carry no token
+        assert (health.status, health.read()) == (200, b"ok\n")

@@ -198,7 +198,7 @@ def test_health_checks_probe_the_ports_the_services_serve_metrics_on():
         params = parse_command(service["command"]).params
         test = " ".join(service["healthcheck"]["test"])
         (url,) = re.findall(r"http://[^'\" ]+", test)
-        assert urlsplit(url).port == params["metrics_port"] and urlsplit(url).path == "/metrics", name
+        assert urlsplit(url).port == params["metrics_port"] and urlsplit(url).path == "/health", name
     for name, service in compose()["services"].items():
         for dependency, condition in (service.get("depends_on") or {}).items():
             if condition["condition"] == "service_healthy":

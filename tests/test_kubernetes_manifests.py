@@ -460,6 +460,8 @@ def test_probes_name_ports_their_container_declares():
             for probe in probes:
                 (handler,) = [probe[k] for k in ("tcpSocket", "httpGet", "grpc") if k in probe]
                 port_number(container, handler["port"])
+                if "httpGet" in probe and container["name"] != "etcd":  # no token: kvstore's /health only
+                    assert handler["path"] == "/health", f"{container['name']} probes {handler['path']}"
 
 
 def test_kvstore_pods_run_as_the_image_user_with_resources_and_one_image():
