@@ -23,6 +23,7 @@ from kvstore_client.buffers import buffer_view
 from kvstore_client.cluster_address import master_channel
 from kvstore_client.connect import check_data_path, open_connection
 from kvstore_client.credentials import Credentials
+from kvstore_client.etcd import EtcdTLS
 from kvstore_client.errors import (
     ChecksumMismatch,
     ClientClosed,
@@ -84,7 +85,9 @@ class Client:
     knows this caller by (default: the KVSTORE_TOKEN environment variable;
     none for a pool without one). ``tls_ca``: the CA of a pool that speaks
     TLS (default: KVSTORE_TLS_CA); ``tls_cert`` and ``tls_key``: this
-    client's certificate, for a pool that wants mutual TLS.
+    client's certificate, for a pool that wants mutual TLS. ``etcd_tls``: how an
+    ``etcd://`` address reaches etcd (kvstore_client.etcd.EtcdTLS: its CA and a client
+    certificate; default: KVSTORE_ETCD_CA, KVSTORE_ETCD_CERT and KVSTORE_ETCD_KEY, else plain text).
 
     ``close()`` (or the end of a ``with`` block) closes its connections; any
     call after that raises ClientClosed.
@@ -94,9 +97,9 @@ class Client:
                  placement_ttl: float = 1.0, placement_bytes: int = 64 << 20, replicas: int = 0,
                  verify: bool = True, timeout: float = 10.0, data_path: str | None = None,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None):
+                 tls_key: str | None = None, etcd_tls: EtcdTLS | None = None):
         self.master = master
-        self.credentials = Credentials.resolve(token, tls_ca, tls_cert, tls_key)
+        self.credentials = Credentials.resolve(token, tls_ca, tls_cert, tls_key, etcd_tls)
         self.prefer_shm = prefer_shm
         self.replicas = replicas
         self.verify = verify

@@ -15,6 +15,12 @@ which the master's RPCs allow (registration, heartbeats and reports are
 idempotent; a Place retried reserves its bytes again, released by the
 placement's expiry).
 
+etcd itself is reached as ``credentials.etcd_tls`` says (kvstore_client.etcd.EtcdTLS:
+its CA, a client certificate), else as KVSTORE_ETCD_CA/CERT/KEY say, else in
+plain text. A TLS handshake with etcd that fails is configuration, not an
+outage: calls fail at once with UNAVAILABLE and the reason (the SDK raises
+ServiceUnavailable with it) instead of waiting out their timeout.
+
 ``future()`` calls are not retried: their failure only marks the leader for a
 fresh lookup by the next call.
 
@@ -31,7 +37,7 @@ import time
 
 import grpc
 
-from kvstore_client.etcd import DEFAULT_PREFIX, Etcd, EtcdUnavailable, parse_endpoints
+from kvstore_client.etcd import DEFAULT_PREFIX, Etcd, EtcdTLS, EtcdTLSError, EtcdUnavailable, parse_endpoints
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +62,17 @@ def master_channel(address: str, credentials, options: list | None = None) -> gr
     """A channel to the master at ``address``: host:port, or an etcd:// cluster (a LeaderChannel)."""
     if is_etcd_address(address):
         endpoints, prefix = parse_etcd_address(address)
-        return LeaderChannel(Etcd(endpoints), prefix, lambda target: credentials.channel(target, options))
+        tls = getattr(credentials, "etcd_tls", None) or EtcdTLS.from_env()
+        return LeaderChannel(Etcd(endpoints, tls=tls), prefix, lambda target: credentials.channel(target, options))
     return credentials.channel(address, options)
 
 
 class NoLeader(Exception):
     """etcd names no leader (none elected yet, or etcd unreachable)."""
+
+
+class EtcdMisconfigured(NoLeader):
+    """etcd cannot be reached as configured (a TLS handshake failed): not worth retrying."""
 
 
 class LeaderChannel(grpc.Channel):
@@ -91,6 +102,8 @@ class LeaderChannel(grpc.Channel):
                 return self._channel, self._generation
         try:
             held = self._etcd.get(self._key)
+        except EtcdTLSError as exc:
+            raise EtcdMisconfigured(str(exc)) from None
         except (EtcdUnavailable, grpc.RpcError) as exc:
             raise NoLeader(f"etcd {','.join(self._etcd.endpoints)} unreachable: {exc}") from None
         if held is None:
@@ -242,7 +255,7 @@ class _FollowingCall:
             try:
                 call, generation = self._callable()
             except NoLeader as exc:
-                if remaining <= _RETRY_PAUSE_S:
+                if isinstance(exc, EtcdMisconfigured) or remaining <= _RETRY_PAUSE_S:
                     raise _Unavailable(str(exc)) from None
                 time.sleep(_RETRY_PAUSE_S)
                 continue

@@ -8,7 +8,9 @@ master (TLS when ``tls_ca`` is set; the token as bearer metadata on every
 call), ``data_key`` keys the data plane's challenge-response, and
 ``client_tls()`` is the ssl context for TCP data-plane connections.
 ``Credentials.resolve(token)`` reads KVSTORE_TOKEN and KVSTORE_TLS_CA when
-the caller gives none.
+the caller gives none. ``etcd_tls`` (kvstore_client.etcd.EtcdTLS) is how an
+``etcd://`` address reaches etcd itself (its CA and a client certificate);
+``resolve`` falls back to KVSTORE_ETCD_CA, KVSTORE_ETCD_CERT and KVSTORE_ETCD_KEY.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import grpc
 
 from kvstore_client.auth import DataKey, bearer_metadata, resolve_token
 from kvstore_client.errors import ConfigError
+from kvstore_client.etcd import EtcdTLS
 
 TLS_CA_ENV = "KVSTORE_TLS_CA"
 
@@ -36,6 +39,7 @@ class Credentials:
     tls_cert: str | None = None
     tls_key: str | None = None
     key: DataKey | None = None
+    etcd_tls: EtcdTLS | None = None  # TLS to the etcd of an etcd:// address (None: plain text)
 
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -48,9 +52,11 @@ class Credentials:
 
     @classmethod
     def resolve(cls, token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                tls_key: str | None = None) -> "Credentials":
-        """Credentials from arguments, falling back to KVSTORE_TOKEN and KVSTORE_TLS_CA."""
-        return cls(resolve_token(token), tls_ca or os.environ.get(TLS_CA_ENV) or None, tls_cert, tls_key)
+                tls_key: str | None = None, etcd_tls: EtcdTLS | None = None) -> "Credentials":
+        """Credentials from arguments, falling back to KVSTORE_TOKEN, KVSTORE_TLS_CA and the
+        KVSTORE_ETCD_* variables (EtcdTLS.from_env)."""
+        return cls(resolve_token(token), tls_ca or os.environ.get(TLS_CA_ENV) or None, tls_cert, tls_key,
+                   etcd_tls=etcd_tls or EtcdTLS.from_env())
 
     @property
     def data_key(self) -> DataKey | None:

@@ -15,9 +15,18 @@ etcd's published protos vendored in proto/etcd/ (KV and Lease only): no new
 dependency, and the same grpcio/protobuf as every other call here.
 
 ``endpoints`` are tried in turn: a call that finds its endpoint unreachable
-moves to the next one and retries once around the list. Plain-text gRPC
-(etcd on loopback or a private network); etcd's own TLS and auth are not
-wired up yet.
+moves to the next one and retries once around the list.
+
+TLS: ``Etcd(endpoints, tls=EtcdTLS(ca="ca.pem", cert="me.pem", key="me.key"))``
+dials etcd's client port over TLS (etcd started with ``--cert-file``,
+``--key-file`` and, to ask for client certificates, ``--trusted-ca-file`` and
+``--client-cert-auth``: its ``https://`` client URLs). Without ``tls`` the
+calls are plain text. ``EtcdTLS.from_env()`` reads KVSTORE_ETCD_CA,
+KVSTORE_ETCD_CERT and KVSTORE_ETCD_KEY. A handshake that fails (etcd's
+certificate not signed by ``ca``, or etcd refusing the client certificate,
+or plain text sent to a TLS etcd) is configuration, not an outage: it raises
+``EtcdTLSError`` (an ``EtcdUnavailable`` and a ``ConfigError``) with what to
+fix, so callers that retry outages can stop at once.
 
 Thread-safety: calls may come from any thread; the current endpoint index is
 guarded by ``_lock``.
@@ -25,10 +34,15 @@ guarded by ``_lock``.
 
 from __future__ import annotations
 
+import os
+import socket
+import ssl
 import threading
+from dataclasses import dataclass
 
 import grpc
 
+from kvstore_client.errors import ConfigError
 from kvstore_client.proto.etcd import kv_pb2, rpc_pb2
 from kvstore_client.proto.etcd import rpc_pb2_grpc as rpc_grpc
 
@@ -37,8 +51,55 @@ DEFAULT_PREFIX = "/kvstore"  # where the masters campaign (kvstore master --etcd
 _RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV = "KVSTORE_ETCD_CA", "KVSTORE_ETCD_CERT", "KVSTORE_ETCD_KEY"
+
+
 class EtcdUnavailable(Exception):
     """No endpoint of the etcd cluster answered."""
+
+
+class EtcdTLSError(EtcdUnavailable, ConfigError):
+    """The TLS handshake with etcd failed: a certificate, CA or scheme mismatch that retrying
+    will not mend (the message says which side refused and which setting to look at)."""
+
+
+@dataclass(frozen=True)
+class EtcdTLS:
+    """TLS to etcd's client port: ``ca`` (PEM) verifies etcd's certificate (None: the system's
+    roots), ``cert`` and ``key`` are this process's client certificate (etcd's
+    ``--client-cert-auth``). Files are read when a channel is made."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def __post_init__(self):
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("an etcd client certificate needs both --etcd-cert and --etcd-key "
+                              f"({ETCD_CERT_ENV} and {ETCD_KEY_ENV})")
+        for path in (self.ca, self.cert, self.key):
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"etcd TLS file {path} does not exist")
+
+    @classmethod
+    def of(cls, ca: str | None = None, cert: str | None = None, key: str | None = None) -> "EtcdTLS | None":
+        """An EtcdTLS when any file is given, else None (plain text)."""
+        return cls(ca or None, cert or None, key or None) if (ca or cert or key) else None
+
+    @classmethod
+    def from_env(cls, environ=None) -> "EtcdTLS | None":
+        """From KVSTORE_ETCD_CA, KVSTORE_ETCD_CERT and KVSTORE_ETCD_KEY (None: none set)."""
+        env = os.environ if environ is None else environ
+        return cls.of(env.get(ETCD_CA_ENV), env.get(ETCD_CERT_ENV), env.get(ETCD_KEY_ENV))
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        def read(path):
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
 
 
 def parse_endpoints(text: str) -> list[str]:
@@ -52,15 +113,18 @@ def parse_endpoints(text: str) -> list[str]:
 class Etcd:
     """KV and Lease calls on an etcd v3 cluster (see the module docstring)."""
 
-    def __init__(self, endpoints: list[str] | str, timeout: float = 2.0):
+    def __init__(self, endpoints: list[str] | str, timeout: float = 2.0, tls: EtcdTLS | None = None):
         self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) else list(endpoints)
-        self.timeout = timeout
+        self.timeout, self.tls = timeout, tls
         self._lock = threading.Lock()
         self._current = 0
-        self._channels = [grpc.insecure_channel(e, options=[("grpc.initial_reconnect_backoff_ms", 100),
-                                                            ("grpc.min_reconnect_backoff_ms", 100),
-                                                            ("grpc.max_reconnect_backoff_ms", 500)])
-                          for e in self.endpoints]
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 500)]
+        if tls is None:
+            self._channels = [grpc.insecure_channel(e, options=options) for e in self.endpoints]
+        else:
+            credentials = tls.channel_credentials()
+            self._channels = [grpc.secure_channel(e, credentials, options=options) for e in self.endpoints]
         self._kv = [rpc_grpc.KVStub(c) for c in self._channels]
         self._lease = [rpc_grpc.LeaseStub(c) for c in self._channels]
 
@@ -72,6 +136,7 @@ class Etcd:
         with self._lock:
             start = self._current
         last: grpc.RpcError | None = None
+        last_i = start
         for step in range(len(self.endpoints)):
             i = (start + step) % len(self.endpoints)
             stub = (self._kv if which == "kv" else self._lease)[i]
@@ -80,13 +145,22 @@ class Etcd:
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRY:
                     raise
-                last = exc
+                last, last_i = exc, i
                 continue
             with self._lock:
                 self._current = i
             return reply
-        raise EtcdUnavailable(f"etcd {','.join(self.endpoints)}: {last.code().name if last else '?'}: "
-                              f"{last.details() if last else ''}")
+        raise self._unavailable(last, last_i, "")
+
+    def _unavailable(self, last: grpc.RpcError | None, i: int, what: str) -> EtcdUnavailable:
+        """The error for a call no endpoint answered: EtcdTLSError when the last failure was a
+        handshake (see tls_failure), else EtcdUnavailable."""
+        details = (last.details() or "") if last is not None else ""
+        problem = tls_failure(details, self.tls is not None, self.endpoints[i])
+        if problem is not None:
+            return EtcdTLSError(f"etcd {','.join(self.endpoints)}: {problem}")
+        return EtcdUnavailable(f"etcd {','.join(self.endpoints)}: {what}{last.code().name if last else '?'}: "
+                               f"{details}")
 
     # -- KV -----------------------------------------------------------------------------------
     def get(self, key: bytes) -> KeyValue | None:
@@ -124,7 +198,7 @@ class Etcd:
         """Refresh ``lease`` once: its TTL from now in seconds (<= 0: the lease is gone)."""
         with self._lock:
             start = self._current
-        last = None
+        last, last_i = None, start
         for step in range(len(self.endpoints)):
             i = (start + step) % len(self.endpoints)
             try:
@@ -141,9 +215,8 @@ class Etcd:
                     continue
                 if exc.code() not in _RETRY:
                     raise
-                last = exc
-        raise EtcdUnavailable(f"etcd {','.join(self.endpoints)}: keep-alive failed: "
-                              f"{last.code().name if last else '?'}")
+                last, last_i = exc, i
+        raise self._unavailable(last, last_i, "keep-alive failed: ")
 
     def revoke(self, lease: int) -> None:
         try:
@@ -151,3 +224,50 @@ class Etcd:
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
+
+
+def tls_failure(details: str, dialed_tls: bool, endpoint: str) -> str | None:
+    """What went wrong, for people, when gRPC's ``details`` of an UNAVAILABLE call are a TLS
+    handshake failure; None when they are an ordinary outage (refused, reset, timed out).
+
+    gRPC reports a server certificate it cannot verify as "Tls handshake failed ...
+    CERTIFICATE_VERIFY_FAILED"; a client certificate the server refused (TLS 1.3: after the
+    client's side of the handshake) as "Unwrap failed" or a BAD_CERTIFICATE/CERTIFICATE_REQUIRED
+    alert; plain text sent to a TLS port as "Socket closed", which a dying etcd can also cause,
+    so that one is confirmed by a TLS handshake of our own (``speaks_tls``)."""
+    if dialed_tls:
+        if "CERTIFICATE_VERIFY_FAILED" in details or "certificate verify failed" in details:
+            return ("its certificate is not signed by a CA this process trusts: give the CA that signed etcd's "
+                    f"--cert-file with --etcd-ca or {ETCD_CA_ENV} ({_short(details)})")
+        if any(mark in details for mark in ("Unwrap failed", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED",
+                                            "UNKNOWN_CA", "CERTIFICATE_UNKNOWN")):
+            return ("etcd refused this process's client certificate (none given, or not signed by etcd's "
+                    f"--trusted-ca-file): give one with --etcd-cert/--etcd-key or {ETCD_CERT_ENV}/{ETCD_KEY_ENV} "
+                    f"({_short(details)})")
+        if "handshake" in details.lower() or "SSL_ERROR" in details:
+            return f"the TLS handshake failed (does etcd serve https on this port?): {_short(details)}"
+        return None
+    if "Socket closed" in details and speaks_tls(endpoint):
+        return (f"{endpoint} speaks TLS (https) and this process dials it in plain text: give --etcd-ca "
+                f"(and --etcd-cert/--etcd-key when etcd checks client certificates), or {ETCD_CA_ENV}")
+    return None
+
+
+def speaks_tls(endpoint: str, timeout: float = 1.0) -> bool:
+    """Whether ``endpoint`` answers a TLS ClientHello with a ServerHello (certificates not checked)."""
+    host, _, port = endpoint.rpartition(":")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw:
+            with context.wrap_socket(raw, server_hostname=None):
+                return True
+    except ssl.SSLError as exc:  # a TLS alert is still TLS; garbage back is not
+        return "WRONG_VERSION_NUMBER" not in str(exc) and "record layer failure" not in str(exc)
+    except (OSError, ValueError):
+        return False
+
+
+def _short(details: str) -> str:
+    return details.rsplit("last error: ", 1)[-1][:300]

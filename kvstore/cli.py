@@ -7,7 +7,8 @@ import json
 import click
 
 from kvstore.config_file import config_option
-from kvstore.security.service_flags import ServiceSecurity, client_security_options, service_security_options
+from kvstore.security.service_flags import (ServiceSecurity, client_security_options, etcd_tls_of, etcd_tls_options,
+                                           service_security_options)
 from kvstore.units import format_size, parse_size
 
 
@@ -336,6 +337,7 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
               help="Seconds of the leader's etcd lease: a dead leader is replaced after about this long.")
 @click.option("--advertise", default=None, metavar="HOST:PORT",
               help="The gRPC address put in etcd for nodes and clients (default: the address listened on).")
+@etcd_tls_options
 @scheduling_options
 @kv_events_options
 @service_security_options
@@ -343,7 +345,7 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def master(host, port, metrics_port, ttl, replicas, etcd_endpoints, etcd_prefix, etcd_lease_ttl, advertise, as_json,
            kv_events, kv_events_replay, kv_events_topic, kv_events_hashes, auth_file, insecure, token, tls_cert,
-           tls_key, tls_ca, tls_mutual, **scheduling) -> None:
+           tls_key, tls_ca, tls_mutual, etcd_ca, etcd_cert, etcd_key, **scheduling) -> None:
     """Run the master: membership, the global prefix index, placement and the conductor."""
     from kvstore.serving import service_process
 
@@ -358,7 +360,8 @@ def master(host, port, metrics_port, ttl, replicas, etcd_endpoints, etcd_prefix,
             parse_endpoints(etcd_endpoints)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--etcd") from None
-        etcd = EtcdOptions(etcd_endpoints, etcd_prefix, etcd_lease_ttl, advertise)
+        etcd = EtcdOptions(etcd_endpoints, etcd_prefix, etcd_lease_ttl, advertise,
+                           tls=etcd_tls_of(etcd_ca, etcd_cert, etcd_key))
     signals = service_process()
     server = start_master(host, port, metrics_port, ttl, replicas, kv_events=events, security=security,
                           cost=cost_model_of(click.get_current_context()), etcd=etcd, **scheduling)
@@ -405,15 +408,17 @@ def start_master(host, port, metrics_port, ttl, replicas, schedule_policy="kvcac
 @tuning_options
 @connection_options
 @service_security_options
+@etcd_tls_options
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the addresses.")
 def node(master_address, host, port, metrics_port, advertise, data_dir, dram, ssd, max_block, policy, as_json,
-         auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual, **limits) -> None:
+         auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual, etcd_ca, etcd_cert, etcd_key,
+         **limits) -> None:
     """Run a storage node: DRAM and SSD tiers served to clients, reported to the master."""
     from kvstore.serving import service_process
 
     security = ServiceSecurity.from_flags(auth_file, insecure, token, tls_cert, tls_key, tls_ca, tls_mutual,
-                                          needs_token=True)
+                                          needs_token=True, etcd_tls=etcd_tls_of(etcd_ca, etcd_cert, etcd_key))
     signals = service_process()
     storage = start_node(master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise,
                          limits, security)
@@ -546,6 +551,7 @@ def config(command_name, args, as_json) -> None:
 @click.option("--master", "master_address", default="127.0.0.1:7700", show_default=True,
               help="The master's host:port, or etcd://HOST:PORT[,...][/PREFIX] (masters with --etcd).")
 @client_security_options
+@etcd_tls_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def status(master_address, as_json, **credentials) -> None:
     """Show the pool: nodes, their tiers, use, blocks and hit rates."""
@@ -564,6 +570,7 @@ def status(master_address, as_json, **credentials) -> None:
 @click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=0, show_default=True,
               help="Seconds to wait until the node's blocks have left the index (0: do not wait).")
 @client_security_options
+@etcd_tls_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def drain(node_id, master_address, cancel, wait_s, as_json, **credentials) -> None:
     """Take storage node NODE_ID out of service before stopping it (admin token): no new
@@ -597,6 +604,7 @@ def drain(node_id, master_address, cancel, wait_s, as_json, **credentials) -> No
 @click.option("--namespace", default="", help="Only this namespace (default: all).")
 @click.option("--limit", type=POSITIVE_INT, default=50, show_default=True, help="How many keys to list.")
 @client_security_options
+@etcd_tls_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def keys(master_address, namespace, limit, as_json, **credentials) -> None:
     """List blocks in the pool with the nodes and tiers that hold them."""
@@ -663,6 +671,7 @@ def bench(master_address, sizes, ops, transports, clients, bytes_per_client, bat
 @click.option("--index-wait", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Seconds to wait after a prefill for the master's index to list the prompt's blocks.")
 @client_security_options
+@etcd_tls_options
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line with the address.")
 def router(master_address, host, port, namespace, connect_timeout, read_timeout, prefill_timeout, index_wait,
@@ -702,11 +711,12 @@ def router(master_address, host, port, namespace, connect_timeout, read_timeout,
     signals.serve([lambda: loop.call_soon_threadsafe(task.cancel), lambda: thread.join(timeout=10)])
 
 
-def connect(master_address: str, **credentials):
-    """A Client of the pool at ``master_address``; ``credentials``: token, tls_ca, tls_cert, tls_key."""
+def connect(master_address: str, etcd_ca=None, etcd_cert=None, etcd_key=None, **credentials):
+    """A Client of the pool at ``master_address``; ``credentials``: token, tls_ca, tls_cert, tls_key;
+    the etcd_* files: TLS to the etcd of an etcd:// address."""
     from kvstore_client.client import Client
 
-    return Client(master_address, **credentials)
+    return Client(master_address, etcd_tls=etcd_tls_of(etcd_ca, etcd_cert, etcd_key), **credentials)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,13 @@ again and resends its inventory (the restart path, kvstore.master.service).
 Node ids stay unique cluster-wide with a single leader: the node-id binding
 of kvstore.master.membership applies in the one master that serves.
 
+etcd over TLS: ``EtcdOptions.tls`` (``--etcd-ca``, ``--etcd-cert``,
+``--etcd-key``) is what the master's etcd client dials with. The master
+checks it once before it campaigns (kvstore.master.server): a handshake that
+fails (EtcdTLSError) stops the master at start with the reason, while an
+etcd merely unreachable then leaves it standing by, campaigning when etcd
+comes back.
+
 Thread-safety: one daemon thread ("master-election") runs the campaign; the
 fields the gRPC threads read (``_leading``, ``_deadline``, ``_leader``) are
 single assignments, read without a lock.
@@ -47,7 +54,7 @@ from typing import Callable
 
 import grpc
 
-from kvstore_client.etcd import DEFAULT_PREFIX, Etcd, EtcdUnavailable
+from kvstore_client.etcd import DEFAULT_PREFIX, Etcd, EtcdTLS, EtcdUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +74,7 @@ class EtcdOptions:
     prefix: str = DEFAULT_PREFIX
     lease_ttl_s: int = DEFAULT_LEASE_TTL_S
     advertise: str | None = None  # the address standbys and clients are told (default: the bound one)
+    tls: EtcdTLS | None = None  # --etcd-ca/--etcd-cert/--etcd-key: TLS to etcd's client port (None: plain text)
 
 
 class Election:

@@ -112,14 +112,28 @@ class MasterServer:
             self._stop_kv_events()
             raise
         if self._etcd_options is not None:
-            self._start_election(self._etcd_options)
+            try:
+                self._start_election(self._etcd_options)
+            except BaseException:
+                self.stop(None)
+                raise
         log.info("master listening on %s%s", self.address, " (standing by for leadership)" if self.election else "")
         return self
 
     def _start_election(self, options: EtcdOptions) -> None:
-        from kvstore_client.etcd import Etcd
+        """Campaign; EtcdTLSError first when etcd cannot be reached as configured (TLS), while an
+        etcd that is merely down leaves this master standing by (it campaigns once etcd is back)."""
+        from kvstore_client.etcd import Etcd, EtcdTLSError, EtcdUnavailable
 
-        self.election = Election(Etcd(options.endpoints), options.prefix, options.advertise or self.address,
+        etcd = Etcd(options.endpoints, tls=options.tls)
+        try:
+            etcd.get(b"/")  # one round trip: TLS settings are checked here, not in the campaign's logs
+        except EtcdTLSError:
+            etcd.close()
+            raise
+        except (EtcdUnavailable, grpc.RpcError) as exc:
+            log.warning("etcd %s not reachable yet (%s): standing by", options.endpoints, exc)
+        self.election = Election(etcd, options.prefix, options.advertise or self.address,
                                  options.lease_ttl_s, on_elected=self.reset_state).start()
 
     def reset_state(self) -> None:

@@ -7,6 +7,9 @@
     --tls-cert/--tls-key this service's certificate (gRPC and the TCP data plane)
     --tls-ca             the CA it trusts when it dials the pool (and checks clients with)
     --tls-mutual         require client certificates signed by --tls-ca
+    --etcd-ca/--etcd-cert/--etcd-key
+                         TLS to etcd's client port, for `master --etcd` and for every command
+                         that takes --master etcd://... (env KVSTORE_ETCD_CA/CERT/KEY)
 
 A master or node bound to anything but loopback without an access file would
 answer anyone who can reach it: ``ServiceSecurity.check_exposure`` refuses to
@@ -15,6 +18,7 @@ start then, unless --insecure says so.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 from dataclasses import dataclass
@@ -54,6 +58,33 @@ def service_security_options(f):
     return f
 
 
+def etcd_tls_options(f):
+    """--etcd-ca, --etcd-cert and --etcd-key: how this command reaches etcd (the masters' --etcd,
+    or an etcd:// --master) over TLS; plain text when none is given."""
+    from kvstore_client.etcd import ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV
+
+    options = [
+        click.option("--etcd-ca", envvar=ETCD_CA_ENV, default=None, metavar="PEM",
+                     help="CA of etcd's certificate: talk TLS (https) to etcd's client port "
+                          f"[env {ETCD_CA_ENV}]."),
+        click.option("--etcd-cert", envvar=ETCD_CERT_ENV, default=None, metavar="PEM",
+                     help="Client certificate for an etcd with --client-cert-auth (signed by its "
+                          f"--trusted-ca-file) [env {ETCD_CERT_ENV}]."),
+        click.option("--etcd-key", envvar=ETCD_KEY_ENV, default=None, metavar="PEM",
+                     help=f"Its private key [env {ETCD_KEY_ENV}]."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def etcd_tls_of(etcd_ca=None, etcd_cert=None, etcd_key=None):
+    """The EtcdTLS of those flags (None: plain text); ConfigError for a missing file or half a pair."""
+    from kvstore_client.etcd import EtcdTLS
+
+    return EtcdTLS.of(etcd_ca, etcd_cert, etcd_key)
+
+
 def client_security_options(f):
     """--token and --tls-ca (and a client certificate) for the commands that call a pool."""
     options = [
@@ -80,9 +111,10 @@ class ServiceSecurity:
 
     @classmethod
     def from_flags(cls, auth_file=None, insecure=False, token=None, tls_cert=None, tls_key=None, tls_ca=None,
-                   tls_mutual=False, needs_token=False) -> "ServiceSecurity":
+                   tls_mutual=False, needs_token=False, etcd_tls=None) -> "ServiceSecurity":
         """Build and check; ``needs_token``: this service dials the master (a node), so it
-        must have a token when auth is on."""
+        must have a token when auth is on. ``etcd_tls`` (EtcdTLS): how it reaches the etcd of
+        an etcd:// master address."""
         access = AccessList.load(auth_file) if auth_file else None
         tls = ServerTLS.from_flags(tls_cert, tls_key, tls_ca, tls_mutual)
         token = resolve_token(token)
@@ -102,6 +134,8 @@ class ServiceSecurity:
             dialing = tls.dialing(token)
         else:
             dialing = Credentials(token, tls_ca, None, None) if (token or tls_ca) else NO_CREDENTIALS
+        if etcd_tls is not None:
+            dialing = dataclasses.replace(dialing, etcd_tls=etcd_tls)
         return cls(access, tls, insecure, dialing)
 
     def check_exposure(self, host: str, what: str) -> None:
