@@ -15,9 +15,17 @@ The scheduler's connector (in the engine's main process: vLLM's EngineCore) hold
 
 A thread then reports the load the connector sees every ``load_report_interval`` seconds
 (:class:`LoadTracker`) and puts the record back if the pool lost it. ``close`` (connector
-shutdown, or at exit) deregisters and removes the record. An engine killed outright stays
-registered until the conductor's request TTL ends its requests; the router answers an
-unreachable engine with an HTTP error.
+shutdown, or at exit) deregisters and removes the record.
+
+The conductor keeps its engines in the leader's memory only: a master restarted, or a
+standby that took over through etcd, knows none. It answers a load report from an engine
+it does not know with INVALID_ARGUMENT, "unknown engine ...: register it first"
+(``UNKNOWN_ENGINE``); the reporter then registers that id again at once, on the same node,
+and sends the report again, so an engine is back in the new leader's schedule within one
+report interval of the master serving (a report that finds no master at all just fails
+and is retried at the next interval). An engine killed outright stays registered until
+a router finds it unreachable and tells the conductor (kvstore.router.server), or else
+until the conductor's request TTL ends its requests.
 """
 
 from __future__ import annotations
@@ -29,11 +37,14 @@ import logging
 import threading
 from typing import Any
 
-from kvstore_client.errors import KVStoreError
+from kvstore_client.errors import InvalidValue, KVStoreError
 
 log = logging.getLogger(__name__)
 
 RECORDS = "engines"   # the records' namespace under the connector's namespace
+#: in the conductor's INVALID_ARGUMENT answer to a report from an engine it does not know
+#: (kvstore.scheduler.conductor.Conductor.report_load): the reporter registers again
+UNKNOWN_ENGINE = "unknown engine"
 
 
 def record_key(namespace: str, engine_id: str) -> tuple[str, bytes]:
@@ -114,13 +125,14 @@ class EngineAnnouncement:
         self._stop = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self.reregistered = 0  # registrations again after a conductor forgot this engine
 
     def start(self) -> None:
         from kvstore_client.hostid import machine_id
 
         self.node_id = local_node(self._client.cluster_status(), machine_id())
         for role, conductor_id in self.ids.items():
-            self._client.scheduling.register_engine(self.conductor_namespace, conductor_id, role, self.node_id)
+            self._register(role, conductor_id)
         self._client.put(self._key, self._value)
         log.info("kvstore: engine %s registered with the conductor as %s in %s on node %s", self.engine_id,
                  ", ".join(f"{r} {i}" for r, i in self.ids.items()), self.conductor_namespace, self.node_id)
@@ -146,10 +158,24 @@ class EngineAnnouncement:
                                 self._settings.load_report_interval)
                 failing = True
 
+    def _register(self, role: str, conductor_id: str) -> None:
+        self._client.scheduling.register_engine(self.conductor_namespace, conductor_id, role, self.node_id)
+
     def report(self) -> None:
+        """Report the load under every conductor id; an id the conductor does not know (a new
+        master) is registered again and its report sent once more."""
         load = self.tracker.load()
-        for conductor_id in self.ids.values():
-            self._client.scheduling.report_load(self.conductor_namespace, conductor_id, **load)
+        for role, conductor_id in self.ids.items():
+            try:
+                self._client.scheduling.report_load(self.conductor_namespace, conductor_id, **load)
+            except InvalidValue as exc:
+                if UNKNOWN_ENGINE not in str(exc):
+                    raise
+                self._register(role, conductor_id)
+                self.reregistered += 1
+                log.warning("kvstore: the conductor did not know engine %s (a new master): registered again as "
+                            "%s %s on node %s", self.engine_id, role, conductor_id, self.node_id)
+                self._client.scheduling.report_load(self.conductor_namespace, conductor_id, **load)
 
     def close(self) -> None:
         """Deregister and remove the record; safe to call twice (shutdown, then at exit)."""
