@@ -90,6 +90,7 @@ class FakeBackend:
         self.overloaded: str | None = None
         self.scheduled: list = []
         self.reports: list = []
+        self.deregistered: list = []
 
     def engines(self):
         return self.records
@@ -106,3 +107,7 @@ class FakeBackend:
 
     def indexed(self, keys):
         return len(keys)
+
+    def deregister(self, namespace, conductor_id):
+        self.deregistered.append((namespace, conductor_id))
+        return True

@@ -146,6 +146,82 @@ def test_an_unreachable_engine_is_a_502(stack):
     backend.records = [r.__class__(**{**r.__dict__, "url": "http://127.0.0.1:9"}) for r in backend.records]
     status, _, data = post(f"{url}/v1/completions", {"model": "tiny", "prompt": [1, 2]})
     assert status == 502 and json.loads(data)["error"]["type"] == "bad_gateway"
+    # refused before any answer: deregistered, the request tried once more (the fake conductor picks P again)
+    assert backend.deregistered == [("ns/layer1", "P"), ("ns/layer1", "P")]
+
+
+def engine_pool(tmp_path):
+    """A real master and node, and a Client of them; stop with the returned closer."""
+    from kvstore.master.server import MasterServer
+    from kvstore.node.config import StoreConfig
+    from kvstore.node.daemon import NodeOptions, StorageNode
+    from kvstore_client import Client
+
+    master = MasterServer(ttl_s=5.0, heartbeat_interval_s=0.2).start()
+    node = StorageNode(StoreConfig(dram_capacity=8 << 20, max_block_bytes=1 << 20),
+                       NodeOptions(master=master.address, unix_socket=False, data_dir=str(tmp_path / "node"))).start()
+    client = Client(master.address, timeout=5)
+    wait_for(lambda: client.cluster_status().nodes)
+
+    def close():
+        client.close()
+        node.stop()
+        master.stop(grace=0)
+
+    return client, node.info().node_id, close
+
+
+def register(client, node_id: str, engine_id: str, url: str, roles: tuple) -> None:
+    """What a connector does at start (kvstore_client.vllm.engines): conductor ids and a pool record."""
+    from kvstore_client.vllm.engines import record_key
+
+    ids = {role: f"{engine_id}#{role}" for role in roles}
+    for role, conductor_id in ids.items():
+        client.scheduling.register_engine("vllm/layer0", conductor_id, role, node_id)
+    record = {"engine_id": engine_id, "url": url, "role": "both" if len(roles) == 2 else roles[0], "ids": ids,
+              "conductor_namespace": "vllm/layer0", "block_size": 4, "hash_algo": "sha256", "hash_seed": None,
+              "model": "tiny"}
+    client.put(record_key("vllm", engine_id), json.dumps(record).encode())
+
+
+@pytest.mark.parametrize("dead_roles", [("prefill", "decode"), ("decode",)])
+def test_a_killed_engine_leaves_the_conductor_and_the_request_runs_elsewhere(tmp_path, dead_roles):
+    """A real conductor; fake engines. The engine registered first (the one an idle conductor
+    picks) is killed: the router finds it refusing connections, deregisters it, and the same
+    request succeeds on the live engine; the conductor no longer knows the dead one."""
+    from kvstore.router.server import PoolBackend
+
+    client, node_id, close_pool = engine_pool(tmp_path)
+    dead_app, _ = fake_engine()
+    live_app, live_seen = fake_engine()
+    dead, live = Served(dead_app), Served(live_app)
+    router = None
+    try:
+        register(client, node_id, "dead", dead.url, dead_roles)
+        register(client, node_id, "live", live.url, ("prefill", "decode"))
+        dead.close()   # killed: its port refuses connections, nobody deregisters it
+        backend = PoolBackend(client, "vllm")
+        wait_for(lambda: len(backend.engines()) == 2)   # the records are indexed
+        routing = Router(backend, read_timeout=5.0, index_wait_s=0.1)
+        router = Served(build_app(routing))
+        for i in range(3):
+            status, headers, data = post(f"{router.url}/v1/completions",
+                                         {"model": "tiny", "prompt": [i + 1] * 9, "max_tokens": 2})
+            assert status == 200, data
+            assert headers["x-kvstore-prefill-engine"] == "live#prefill"
+            assert headers["x-kvstore-decode-engine"] == "live#decode"
+        assert routing.metrics.requests.get("engine_unreachable") == 1    # found once, then never picked again
+        assert routing.metrics.requests.get("ok") == 3
+        # a prefill and a decode each; a dead decode engine is found after its request's prefill, which
+        # the retry, scheduled afresh, runs again
+        assert len([p for p, _ in live_seen if p == "/v1/completions"]) == 6 + (dead_roles == ("decode",))
+        for role in dead_roles:   # the conductor no longer lists it
+            assert client.scheduling.deregister_engine("vllm/layer0", f"dead#{role}").known is False
+    finally:
+        if router is not None:
+            router.close()
+        live.close()
+        close_pool()
 
 
 def test_models_health_and_metrics(stack):

@@ -21,6 +21,12 @@ Every other field passes through unchanged. Engines are found from the records t
 connectors keep in the pool (``kvstore_client.vllm.engines``). Every engine call has a
 connect timeout and a timeout between bytes: an engine that dies or stalls ends a request
 with a 502/504 JSON error, or a stream with an SSE ``error`` event and ``[DONE]``; never a hang.
+
+An engine that refuses or resets the connection before any byte of its answer (killed, its
+host gone) is dead to the router: it deregisters the engine's conductor ids at once, so the
+next Schedule does not pick it, and, nothing having reached the client yet, runs the request
+once more from Schedule on whatever engines the conductor picks now (``Router._engine_down``
+says why a router may deregister). A failure after the answer began is not retried.
 The response carries ``x-kvstore-request-id``, ``x-kvstore-prefill-engine``,
 ``x-kvstore-decode-engine``, ``x-kvstore-prefix-blocks`` and ``x-kvstore-prefix-tokens`` (the
 conductor's reply: how much of the prompt the pool already held).
@@ -32,6 +38,7 @@ is aiohttp (server and client in one package, with streaming both ways).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import time
@@ -39,7 +46,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import (ClientConnectorError, ClientError, ClientOSError, ClientSession, ClientTimeout,
+                     ServerDisconnectedError, TCPConnector, web)
 
 from kvstore_client.errors import KVStoreError, Overloaded
 
@@ -105,6 +113,10 @@ class PoolBackend:
     def indexed(self, keys) -> int:
         return self._client.match_prefix(keys).longest
 
+    def deregister(self, namespace: str, conductor_id: str) -> bool:
+        """Take an engine id out of the conductor; whether it was registered."""
+        return self._client.scheduling.deregister_engine(namespace, conductor_id).known
+
     def close(self) -> None:
         self._client.close()
 
@@ -147,6 +159,25 @@ class HTTPFailure(Exception):
     def response(self) -> web.Response:
         body = self.body if self.body is not None else json.dumps(error_body(str(self), self.kind, self.status))
         return web.Response(status=self.status, body=body, content_type=self.content_type, headers=self.headers)
+
+
+class EngineUnreachable(HTTPFailure):
+    """An engine refused or reset the connection before any byte of its answer (a 502)."""
+
+    def __init__(self, engine: "EngineRecord", message: str, headers: dict | None = None):
+        super().__init__(502, message, "bad_gateway", headers)
+        self.engine = engine
+
+
+_LOST = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED}
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised before a response arrived) means the engine's end is gone:
+    the connection refused or reset, or closed before the response started."""
+    if isinstance(exc, (ClientConnectorError, ServerDisconnectedError)):
+        return True
+    return isinstance(exc, ClientOSError) and exc.errno in _LOST
 
 
 def error_body(message: str, kind: str, code: int) -> dict:
@@ -243,7 +274,7 @@ class Router:
             body = await self._body(request, path)
             records = await self.engines_for(body.get("model"))
             tokens = await self._tokens(body, path, records)
-            return await self._run(request, body, path, records, tokens)
+            return await self._run_once_more(request, body, path, records, tokens)
         except HTTPFailure as failure:
             self.metrics.count(failure.kind)
             return failure.response()
@@ -310,6 +341,42 @@ class Router:
             log.warning("router: report %s of %s failed: %s", stage, request_id, exc)
             return None
 
+    async def _run_once_more(self, request: web.Request, body: dict, path: str, records: list[EngineRecord],
+                             tokens: list[int]) -> web.StreamResponse:
+        """``_run``; when an engine turned out unreachable (nothing sent to the client yet), that
+        engine is deregistered and the request runs once more, scheduled afresh."""
+        for attempt in (1, 2):
+            try:
+                return await self._run(request, body, path, records, tokens)
+            except EngineUnreachable as failure:
+                await self._engine_down(failure.engine)
+                if attempt == 2:
+                    raise
+                log.warning("router: %s; retrying the request on another engine", failure)
+        raise AssertionError("unreachable")
+
+    async def _engine_down(self, engine: EngineRecord) -> None:
+        """Deregister every conductor id of an engine the router could not connect to.
+
+        Why a router may deregister rather than only report: the conductor cannot check a
+        router's word either way, and a deregistration is cheap to undo. A live engine's
+        reporter registers again on its next load report, which the conductor answers
+        "unknown engine" (kvstore_client.vllm.engines), so a router that misjudges (a
+        partition between it and a live engine) costs that engine one report interval out
+        of the schedule; a dead engine sends no report and stays out. The other way, an
+        "unreachable" report the conductor would weigh, needs a new RPC and a policy for
+        when to believe it, and still leaves a dead engine in the schedule until then.
+        Deregistering ends the conductor's bookkeeping of the engine's requests in flight,
+        which on a dead engine have failed anyway."""
+        self.metrics.count("engine_unreachable")
+        for conductor_id in (engine.ids or {}).values():
+            try:
+                await asyncio.to_thread(self.backend.deregister, engine.conductor_namespace, conductor_id)
+                log.warning("router: engine %s (%s) is unreachable: deregistered %s from the conductor",
+                            engine.engine_id, engine.url, conductor_id)
+            except (KVStoreError, OSError) as exc:
+                log.warning("router: could not deregister unreachable engine %s: %s", conductor_id, exc)
+
     async def _run(self, request: web.Request, body: dict, path: str, records: list[EngineRecord],
                    tokens: list[int]) -> web.StreamResponse:
         from kvstore_client.vllm_hashing import VLLMBlockHasher
@@ -371,6 +438,7 @@ class Router:
         if "max_completion_tokens" in job:
             job["max_completion_tokens"] = 1
         start = time.perf_counter()
+        resp = None
         try:
             async with self._session.post(f"{engine.url}/v1/{path}", json=job,
                                           timeout=self.timeout(self.prefill_timeout)) as resp:
@@ -382,6 +450,9 @@ class Router:
             raise HTTPFailure(504, f"prefill engine {engine.engine_id} did not answer in time", "gateway_timeout") \
                 from None
         except ClientError as exc:
+            if resp is None and connection_lost(exc):
+                raise EngineUnreachable(engine, f"prefill engine {engine.engine_id} is unreachable: {exc!r}") \
+                    from None
             raise HTTPFailure(502, f"prefill engine {engine.engine_id} failed: {exc!r}", "bad_gateway") from None
         finally:
             self.metrics.prefill_seconds += time.perf_counter() - start
@@ -418,6 +489,9 @@ class Router:
             raise HTTPFailure(504, f"decode engine {engine.engine_id} did not answer in time", "gateway_timeout",
                               headers) from None
         except ClientError as exc:
+            if connection_lost(exc):
+                raise EngineUnreachable(engine, f"decode engine {engine.engine_id} is unreachable: {exc!r}",
+                                        headers) from None
             raise HTTPFailure(502, f"decode engine {engine.engine_id} failed: {exc!r}", "bad_gateway",
                               headers) from None
         async with resp:
