@@ -7,6 +7,7 @@ makes a ``DeviceView`` of a CUDA tensor (``kvstore_client.cuda``)."""
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 from kvstore_client.cuda import DeviceView, device_view
 from kvstore_client.errors import InvalidValue
@@ -38,7 +39,7 @@ def byte_view(obj: object, *, writable: bool = False) -> memoryview:
     return mv
 
 
-def buffer_view(obj: object, *, writable: bool = False):
+def buffer_view(obj: Any, *, writable: bool = False) -> memoryview | DeviceView:
     """``byte_view(obj)``, except for a torch tensor in device memory: a DeviceView of a CUDA
     tensor (DeviceUnavailable for any other device, or a CUDA device this process cannot use;
     InvalidValue when not contiguous). A DeviceView is returned as it is."""

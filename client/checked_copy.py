@@ -46,7 +46,7 @@ def copy_with_checksum(dst: memoryview, src: memoryview) -> int:
     return hasher.intdigest()
 
 
-def copy_verified(dst, src: memoryview, checksum: int, verify: bool) -> bool:
+def copy_verified(dst: memoryview | DeviceView, src: memoryview, checksum: int, verify: bool) -> bool:
     """Copy ``src`` into ``dst``: whether its bytes match ``checksum`` (always True
     without ``verify``, which then copies without hashing). ``dst`` is a memoryview, or a
     ``kvstore_client.cuda.DeviceView``: then the copy engine copies while the CPU hashes,

@@ -23,6 +23,7 @@ from kvstore_client.buffers import buffer_view
 from kvstore_client.cluster_address import master_channel
 from kvstore_client.connect import check_data_path, open_connection
 from kvstore_client.credentials import Credentials
+from kvstore_client.cuda import DeviceView
 from kvstore_client.etcd import EtcdTLS
 from kvstore_client.errors import (
     ChecksumMismatch,
@@ -39,7 +40,7 @@ from kvstore_client.errors import (
 from kvstore_client.hashing import BlockHasher
 from kvstore_client.hostid import machine_id
 from kvstore_client.keys import BlockKey, check_key
-from kvstore_client.locations import LocationCache
+from kvstore_client.locations import LocationCache, Replica
 from kvstore_client.nodes import KnownNodes
 from kvstore_client.placements import Placements
 from kvstore_client.proto import kvstore_pb2 as pb
@@ -168,10 +169,10 @@ class Client:
             except KVStoreError as exc:  # nothing of this group, or the next ones, is known stored
                 failures.extend((keys[i], node_id, exc) for _, rest in groups[g:] for i in rest)
                 raise _put_stopped(exc, stored, failures, len(keys)) from None
-            refused = [(i, e) for i, e in zip(idx, results) if e is not None]
-            if refused:
-                first = first or refused[0][1]
-                failures.extend((keys[i], node_id, e) for i, e in refused)
+            rejected = [(i, e) for i, e in zip(idx, results) if e is not None]
+            if rejected:
+                first = first or rejected[0][1]
+                failures.extend((keys[i], node_id, e) for i, e in rejected)
                 idx = [i for i, e in zip(idx, results) if e is None]
                 items = [(keys[i], views[i], depths[i]) for i in idx]
                 if not idx:
@@ -180,7 +181,8 @@ class Client:
             stored_on = [primary.node_id]
             for node in replicas:
                 try:
-                    refused = [e for e in self._on_node(node, lambda c: c.put_many(items, wait)) if e is not None]
+                    refused: list[Exception] = [e for e in self._on_node(node, lambda c: c.put_many(items, wait))
+                                                if e is not None]
                 except OSError as exc:
                     refused = [exc]
                 if refused:
@@ -301,7 +303,7 @@ class Client:
                 todo = [i for i, value in zip(todo, got) if value is None]
         return todo
 
-    def _read_local_one(self, key: BlockKey, view: memoryview | None):
+    def _read_local_one(self, key: BlockKey, view: memoryview | DeviceView | None):
         """``_read_local`` for one key (the common call, a few microseconds less): its size once
         copied into ``view``, or its bytes, or None."""
         for conn in list(self._local.__dict__.get("conns", {}).values()):
@@ -471,14 +473,14 @@ class Client:
                 raise QuotaExceeded(exc.details()) from None
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # "Method: reason: detail"
                 parts = (exc.details() or "").split(": ", 2)
-                raise Overloaded(exc.details(), parts[1] if len(parts) == 3 else "") from None
+                raise Overloaded(exc.details() or "", parts[1] if len(parts) == 3 else "") from None
             reachable = exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
             state = "failed" if reachable else "is unreachable"
             raise ServiceUnavailable(f"master {self.master} {state}: {exc.code().name}: {exc.details()}") from None
 
-    def _locate(self, keys: list[BlockKey], use_cache: bool = True) -> list[tuple]:
+    def _locate(self, keys: list[BlockKey], use_cache: bool = True) -> list[tuple[Replica, ...]]:
         """Replicas of each key: (node_id, tier) pairs, possibly empty."""
-        found = self._locations.lookup(keys) if use_cache else [None] * len(keys)
+        found: list[tuple[Replica, ...] | None] = self._locations.lookup(keys) if use_cache else [None] * len(keys)
         missing = [i for i, r in enumerate(found) if r is None]
         for namespace, idx in _group_by_namespace([keys[i] for i in missing]).items():
             positions = [missing[j] for j in idx]
@@ -487,11 +489,11 @@ class Client:
             self._nodes.update(reply.nodes)
             fresh = []
             for i, location in zip(positions, reply.locations):
-                found[i] = tuple((r.node_id, r.tier) for r in location.replicas)
-                if found[i]:
-                    fresh.append((keys[i], found[i]))
+                replicas = found[i] = tuple((r.node_id, r.tier) for r in location.replicas)
+                if replicas:
+                    fresh.append((keys[i], replicas))
             self._locations.remember(fresh)
-        return found
+        return [() if replicas is None else replicas for replicas in found]
 
     def _order(self, replicas: tuple) -> list[str]:
         """Replica preference: same host first, then DRAM before SSD."""

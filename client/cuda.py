@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+from typing import final
 
 import xxhash
 
@@ -91,6 +92,7 @@ def device_view(tensor) -> "DeviceView":
     return DeviceView(tensor.detach().reshape(-1).view(torch.uint8))
 
 
+@final  # the data path tells it from a memoryview by ``type(x) is DeviceView``
 class DeviceView:
     """Bytes ``start:stop`` of a flat uint8 CUDA tensor: what the transports get for a CUDA
     buffer. Only ``len`` and slicing (step 1) are shared with memoryview; the copies are the
@@ -161,7 +163,7 @@ def copy_to_host(pairs: list[tuple[memoryview, DeviceView]]) -> None:
     """Copy each DeviceView into its host view (arena space: registered first), all queued
     before one wait (CUDA). Returns once every byte is in host memory."""
     torch = _torch()
-    streams = {}
+    streams: dict = {}  # device -> its current stream
     for dst, src in pairs:
         host = _host_tensor(dst)
         _pin_arena_of(host)

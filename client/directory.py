@@ -45,6 +45,7 @@ import xxhash
 
 from kvstore_client.buffers import receivable_bytes
 from kvstore_client.checked_copy import copy_verified
+from kvstore_client.cuda import DeviceView
 from kvstore_client.keys import BlockKey
 from kvstore_client.wire import key_entry
 
@@ -154,12 +155,12 @@ class OneSidedReads:
             return None
         return found
 
-    def _copied(self, found: tuple, out: memoryview) -> bool:
+    def _copied(self, found: tuple, out: memoryview | DeviceView) -> bool:
         """Copy the block ``found`` into ``out`` (its size): whether the copy is valid."""
         copied = copy_verified(out, self._arena[found[2] : found[2] + found[3]], found[4], self.verify)
         return copied and self.directory.unchanged(found[0], found[1])
 
-    def read_into(self, key: BlockKey, view: memoryview) -> int | None:
+    def read_into(self, key: BlockKey, view: memoryview | DeviceView) -> int | None:
         """Copy the block into ``view``: its size, or None."""
         found = self._find(key)
         if found is None or found[3] > len(view):

@@ -8,6 +8,10 @@ is already stored.  Services map each class to one status code at their edge.
 class KVStoreError(Exception):
     """Base class of every error kvstore raises on purpose."""
 
+    # Set on the error ``Client.batch_put`` raises (see CapacityError); absent on the others.
+    stored: list
+    failures: list
+
 
 class InvalidKey(KVStoreError, ValueError):
     """A key is malformed: wrong type, empty, or longer than allowed."""

@@ -39,6 +39,7 @@ import socket
 import ssl
 import threading
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import grpc
 
@@ -46,7 +47,7 @@ from kvstore_client.errors import ConfigError
 from kvstore_client.proto.etcd import kv_pb2, rpc_pb2
 from kvstore_client.proto.etcd import rpc_pb2_grpc as rpc_grpc
 
-KeyValue = kv_pb2.KeyValue
+KeyValue: TypeAlias = kv_pb2.KeyValue
 DEFAULT_PREFIX = "/kvstore"  # where the masters campaign (kvstore master --etcd-prefix)
 _RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 

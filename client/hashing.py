@@ -54,7 +54,8 @@ def _tokens_le_u32(tokens: Sequence[int]) -> memoryview:
             raise InvalidKey("tokens must be one-dimensional")
         if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
             raise InvalidKey("token ids must fit in an unsigned 32-bit integer")
-        return memoryview(np.ascontiguousarray(arr, dtype="<u4")).cast("B")
+        # an ndarray is a buffer; numpy's stubs declare its __buffer__ only from Python 3.12 on
+        return memoryview(np.ascontiguousarray(arr, dtype="<u4")).cast("B")  # type: ignore[arg-type]
     try:
         buf = array("I", tokens)
     except (OverflowError, TypeError) as exc:

@@ -75,8 +75,8 @@ def check_key(key: object) -> BlockKey:
         ns, digest = key
         if type(ns) is str and type(digest) is bytes and 0 < len(digest) <= MAX_DIGEST_LEN:
             if ns and ns.isascii() and len(ns) <= MAX_NAMESPACE_LEN and "\0" not in ns:
-                return key  # type: ignore[return-value]
+                return key
             check_namespace(ns)
-            return key  # type: ignore[return-value]
+            return key
         raise InvalidKey(f"malformed key {key!r:.80}: want (namespace str, 1..{MAX_DIGEST_LEN} digest bytes)")
     raise InvalidKey(f"a key is a (namespace, digest) tuple, not {type(key).__name__}")

@@ -101,7 +101,9 @@ def rejection_of(exc: grpc.RpcError) -> pb.ScheduleReply | None:
     """The structured rejection a failed Schedule carries, or None (another error, or an older master)."""
     if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return None
-    for key, value in exc.trailing_metadata() or ():
+    # grpc's metadata items are (key, value) namedtuples; the stubs' _Metadatum declares no __iter__
+    metadata: tuple[tuple[str, bytes], ...] = exc.trailing_metadata() or ()  # type: ignore[assignment]
+    for key, value in metadata:
         if key == REJECTION_METADATA:
             return pb.ScheduleReply.FromString(value)
     return None

@@ -40,6 +40,7 @@ import logging
 import os
 import struct
 import time
+from typing import Sequence
 from functools import partial
 
 import xxhash
@@ -48,6 +49,7 @@ from kvstore_client.arenamap import map_arena, unmap_arena
 from kvstore_client.buffers import buffer_view
 from kvstore_client.checked_copy import copy_verified
 from kvstore_client.credentials import NO_CREDENTIALS
+from kvstore_client.cuda import DeviceView
 from kvstore_client.directory import ONE_SIDED_READS, DirectoryReader, OneSidedReads
 from kvstore_client.errors import (
     BufferTooSmall,
@@ -197,7 +199,7 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
             return [None] * len(keys)
         return list(map(self.read_direct_one, keys, [None] * len(keys) if views is None else views))
 
-    def read_direct_one(self, key: BlockKey, view: memoryview | None = None):
+    def read_direct_one(self, key: BlockKey, view: memoryview | DeviceView | None = None):
         """``read_direct`` of one checked key: its size once copied into ``view`` (a writable
         byte view), or without one its bytes; None where that did not work."""
         direct = self._direct
@@ -261,7 +263,7 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
             self._finished.append(lease_id)  # released with our next request
         return self._read_one(key, view, lease=True)  # damaged: lease once more, then the socket
 
-    def _read_one(self, key: BlockKey, view: memoryview, lease: bool) -> int | None:
+    def _read_one(self, key: BlockKey, view: memoryview | DeviceView, lease: bool) -> int | None:
         """get_into's slow path: lease and copy once more (no retry after), or read over the socket."""
         result: list = [None]
         errors: dict[int, KVStoreError] = {}
@@ -340,7 +342,7 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
             todo = deferred
         return later, damaged
 
-    def _lease(self, keys: list, chunk: list[int], flags: int) -> tuple[int, list[tuple]]:
+    def _lease(self, keys: Sequence[BlockKey], chunk: Sequence[int], flags: int) -> tuple[int, list[tuple]]:
         """One LEASE round trip for keys[j], j in chunk: (lease id, [(status, offset, size, checksum)])."""
         n = len(chunk)
         table = key_entry(keys[chunk[0]]) if n == 1 else b"".join([key_entry(keys[j]) for j in chunk])
@@ -404,7 +406,7 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         direct, self._direct = getattr(self, "_direct", None), None
         if direct is not None:
             direct.close()
-        mem, self._mem = getattr(self, "_mem", None), None
+        mem = self.__dict__.pop("_mem", None)  # unset until mapped, and after the first close
         if mem is not None:
             try:
                 mem.release()

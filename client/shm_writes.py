@@ -28,7 +28,7 @@ import xxhash
 
 from kvstore_client.cuda import DeviceView, copy_to_host
 from kvstore_client.errors import ProtocolError
-from kvstore_client.transport import KEYS_PER_FRAME, _split
+from kvstore_client.transport import KEYS_PER_FRAME, DataPlaneConnection, _split
 from kvstore_client.wire import (
     FLAG_ABORT,
     FLAG_NO_REPLY,
@@ -56,12 +56,14 @@ def _reserve_table(items: list[tuple]) -> bytes:
     return b"".join([reserve_entry(key, depth, len(view)) for key, view, depth in items])
 
 
-class ArenaWrites:
-    """The put path of a same-host connection. ``_grants`` holds (id, sizes, offsets) of the
-    arena space the node set aside for the next puts, oldest first; ``_grants_coming`` counts
-    the grants that replies not read yet will bring."""
+class ArenaWrites(DataPlaneConnection):
+    """The put path of a same-host connection (``ShmConnection`` puts it in front of
+    ``DataPlaneConnection``, whose ``_put`` it replaces). ``_grants`` holds (id, sizes, offsets)
+    of the arena space the node set aside for the next puts, oldest first; ``_grants_coming``
+    counts the grants that replies not read yet will bring."""
 
     _grants: list  # set by the connection
+    _mem: memoryview  # the node's arena, mapped by the connection
     _grants_coming = 0
 
     def _put(self, ready: dict[int, tuple], results: list, wait: bool = True) -> None:

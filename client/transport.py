@@ -42,6 +42,7 @@ import socket
 import ssl
 import struct
 from collections import deque
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import xxhash
 
@@ -94,7 +95,11 @@ _MAX_AUTH_REPLY = 4096
 UNACKED_MAX = 8  # frames of puts sent without waiting that may stay unanswered (replies are a few bytes)
 
 
-def _connect(target: str, timeout: float | None, tls: ssl.SSLContext | None = None) -> socket.socket:
+if TYPE_CHECKING:
+    from kvstore_client.tls import TLSSocket
+
+
+def _connect(target: str, timeout: float | None, tls: ssl.SSLContext | None = None) -> socket.socket | TLSSocket:
     """A connected socket: a Unix socket for a path, TCP for "host:port" (TLS with ``tls``)."""
     try:
         if "/" in target or ":" not in target:
@@ -123,9 +128,13 @@ def _connect(target: str, timeout: float | None, tls: ssl.SSLContext | None = No
     return sock
 
 
-def _split(indices: list[int], costs: list[int], budget: int, max_items: int) -> list[list[int]]:
-    """Consecutive chunks of ``indices`` whose costs sum to at most ``budget`` (one item at least)."""
-    chunks, chunk, used = [], [], 0
+def _split(indices: list[int], costs: Sequence[int] | Mapping[int, int], budget: int,
+           max_items: int) -> list[list[int]]:
+    """Consecutive chunks of ``indices`` whose costs sum to at most ``budget`` (one item at least);
+    ``costs[i]`` is item i's cost."""
+    chunks: list[list[int]] = []
+    chunk: list[int] = []
+    used = 0
     for i in indices:
         if chunk and (used + costs[i] > budget or len(chunk) >= max_items):
             chunks.append(chunk)
@@ -148,7 +157,7 @@ def _found(statuses: list[int]) -> list[bool]:
     return [s == Status.OK for s in statuses]
 
 
-def _put_item(item) -> tuple[BlockKey, memoryview, int]:
+def _put_item(item) -> tuple[BlockKey, memoryview | DeviceView, int]:
     key, value, *rest = item
     depth = rest[0] if rest else 0
     if type(depth) is not int or not 0 <= depth < 1 << 32:
@@ -180,7 +189,7 @@ class _StreamGuard:
 class DataPlaneConnection:
     """Operations shared by every transport, over one stream socket. One per thread."""
 
-    def __init__(self, sock: socket.socket, *, verify: bool = True, credentials: Credentials = NO_CREDENTIALS):
+    def __init__(self, sock: socket.socket | TLSSocket, *, verify: bool = True, credentials: Credentials = NO_CREDENTIALS):
         self.verify = verify  # check each block's XXH3-64 against the node's checksum
         self._sock = sock
         self._reader = FrameReader(sock, spin=reply_spin())
@@ -512,7 +521,7 @@ class DataPlaneConnection:
                 if (digests[j] if j in digests else _checksum(out)) != checksum:
                     errors[j] = ChecksumMismatch(f"block {j} arrived damaged (checksum mismatch)")
 
-    def _receive_hashed(self, out: memoryview) -> int | None:
+    def _receive_hashed(self, out: memoryview | DeviceView) -> int | None:
         """Receive ``out``'s bytes, hashed as they land when verifying: their XXH3-64, or None.
         Into device memory (a DeviceView) they land in pinned staging first (kvstore_client.cuda)."""
         hasher = _Hasher() if self.verify else None

@@ -260,8 +260,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         try:
-            if getattr(self, "_announcement", None) is not None:
-                self._announcement.close()
+            announcement = getattr(self, "_announcement", None)  # unset when __init__ failed early
+            if announcement is not None:
+                announcement.close()
             if self._transfers is not None:
                 self._transfers.close()
         finally:

@@ -77,6 +77,8 @@ class LayerSlabs:
 
     def __getitem__(self, block_id: int):
         """Block ``block_id``'s bytes, for a layout whose blocks are one run each."""
+        if self._view is None:
+            raise TypeError("this layout's blocks are not one run each: copy them run by run")
         start = block_id * self.layout.block_stride + self.layout.run_offsets[0]
         return self._view[start : start + self.nbytes]
 
