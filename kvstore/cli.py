@@ -83,6 +83,24 @@ class ZmqEndpoint(click.ParamType):
 ENDPOINT = ZmqEndpoint()
 
 
+class HostPort(click.ParamType):
+    """An address others dial: HOST:PORT (a name, IPv4 or [IPv6]; port 1-65535)."""
+
+    name = "host:port"
+
+    def convert(self, value, param, ctx):
+        from kvstore.master.validation import check_address
+        from kvstore_client.errors import KVStoreError
+
+        try:
+            return check_address(value, "the address", required=True)
+        except KVStoreError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+HOST_PORT = HostPort()
+
+
 class KVStoreGroup(click.Group):
     """Turns the store's typed errors into one clear line and exit status 1."""
 
@@ -335,7 +353,7 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
               help="etcd key prefix of this cluster's election (the leader key is PREFIX/leader).")
 @click.option("--etcd-lease-ttl", type=POSITIVE_INT, default=5, show_default=True,
               help="Seconds of the leader's etcd lease: a dead leader is replaced after about this long.")
-@click.option("--advertise", default=None, metavar="HOST:PORT",
+@click.option("--advertise", type=HOST_PORT, default=None, metavar="HOST:PORT",
               help="The gRPC address put in etcd for nodes and clients (default: the address listened on).")
 @etcd_tls_options
 @scheduling_options

@@ -130,3 +130,9 @@ def test_a_data_dir_is_made_when_missing(tmp_path):
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "new" / "dir").is_dir() and not [p for p in os.listdir(tmp_path / "new" / "dir")
                                                        if p.startswith(".kvstore-probe")]
+
+
+@pytest.mark.parametrize("value", ["master1", "master1:0", "master1:99999", "two words:7700", ":7700"])
+def test_the_masters_advertised_address_must_be_one_others_can_dial(value):
+    message = refused("master", next(p for p in main.commands["master"].params if p.name == "advertise"), value)
+    assert message and "host:port" in message
