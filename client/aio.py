@@ -10,7 +10,8 @@ path stays the source of truth.
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+import inspect
+from typing import Any, Sequence
 
 from kvstore_client.client import Client, PrefixMatch
 from kvstore_client.hashing import BlockHasher
@@ -19,10 +20,14 @@ from kvstore_client.keys import BlockKey
 
 class AsyncClient:
     """Async twin of Client; same arguments, same results, awaitable (and the same errors:
-    every call after ``close()`` raises ClientClosed)."""
+    every call after ``close()`` raises ClientClosed). Its keyword arguments are Client's,
+    tuning included (``inspect.signature(AsyncClient)`` shows them)."""
 
-    def __init__(self, master: str, **options):
+    def __init__(self, master: str, **options: Any):
         self._client = Client(master, **options)
+
+    # Client's signature, for help() and inspect (the checker cannot see an assigned signature)
+    __init__.__signature__ = inspect.signature(Client.__init__)  # type: ignore[attr-defined]
 
     async def put(self, key: BlockKey, value, *, depth: int = 0) -> None:
         await asyncio.to_thread(self._client.put, key, value, depth=depth)

@@ -28,6 +28,7 @@ from kvstore_client.etcd import EtcdTLS
 from kvstore_client.errors import (
     ChecksumMismatch,
     ClientClosed,
+    ConfigError,
     InvalidValue,
     KVStoreError,
     Overloaded,
@@ -40,12 +41,14 @@ from kvstore_client.errors import (
 from kvstore_client.hashing import BlockHasher
 from kvstore_client.hostid import machine_id
 from kvstore_client.keys import BlockKey, check_key
-from kvstore_client.locations import LocationCache, Replica
-from kvstore_client.nodes import KnownNodes
-from kvstore_client.placements import Placements
+from kvstore_client.locations import MAX_KEYS, LocationCache, Replica
+from kvstore_client.nodes import REFRESH_EVERY_S, KnownNodes
+from kvstore_client.placements import GROWTH, Placements
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.scheduling import Placement, SchedulingCalls
+from kvstore_client.transport import KEYS_PER_FRAME, UNACKED_MAX, WINDOW, Tuning
+from kvstore_client.wire import reply_spin
 
 log = logging.getLogger(__name__)
 # Reconnect to a master that went away within a second of its return (gRPC's default backoff
@@ -78,7 +81,7 @@ class Client:
     puts to a namespace for that many seconds or bytes, whichever ends first
     (the master counts those bytes against the chosen nodes, so concurrent
     writers spread over the pool); a faster writer's placements grow to what
-    it puts in ``placement_ttl``, up to 16 times ``placement_bytes``
+    it puts in ``placement_ttl``, up to ``placement_growth`` (16) times ``placement_bytes``
     (``kvstore_client.placements``). ``verify``: check block checksums on
     every read (cheap: XXH3-64). ``data_path``: force "tcp", "unix" or "shm"
     (default None: shared memory on this host when ``prefer_shm``, else the
@@ -89,6 +92,21 @@ class Client:
     client's certificate, for a pool that wants mutual TLS. ``etcd_tls``: how an
     ``etcd://`` address reaches etcd (kvstore_client.etcd.EtcdTLS: its CA and a client
     certificate; default: KVSTORE_ETCD_CA, KVSTORE_ETCD_CERT and KVSTORE_ETCD_KEY, else plain text).
+    The environment is read when the client is built, never at import.
+
+    Tuning (defaults: the SDK's constants; docs/configuration.md lists them all):
+    ``window``: request frames in flight on a data-plane connection (the next is sent
+    while the node answers the previous). ``keys_per_frame``: blocks in one frame at
+    most (and the node's limit). ``max_unacked_puts``: frames of ``wait=False`` puts a
+    connection leaves unanswered before it reads the oldest replies. ``reply_spin_us``:
+    microseconds a connection polls for a small reply before it sleeps (0: never poll;
+    default: the KVSTORE_REPLY_SPIN_US environment variable, else 200).
+    ``data_timeout``: seconds a data-plane dial, and each socket operation after it,
+    may take (default None: no limit). ``one_sided_reads``: read blocks of this host's
+    nodes straight through their block directories, no round trip (else each read
+    leases). ``location_cache_size``: keys whose locations are cached at most.
+    ``placement_growth``: see ``placement_bytes``. ``node_refresh_interval``: seconds
+    between two refreshes of the nodes' addresses at most, when dialling one fails.
 
     ``close()`` (or the end of a ``with`` block) closes its connections; any
     call after that raises ClientClosed.
@@ -98,9 +116,17 @@ class Client:
                  placement_ttl: float = 1.0, placement_bytes: int = 64 << 20, replicas: int = 0,
                  verify: bool = True, timeout: float = 10.0, data_path: str | None = None,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, etcd_tls: EtcdTLS | None = None):
+                 tls_key: str | None = None, etcd_tls: EtcdTLS | None = None, window: int = WINDOW,
+                 keys_per_frame: int = KEYS_PER_FRAME, max_unacked_puts: int = UNACKED_MAX,
+                 reply_spin_us: float | None = None, data_timeout: float | None = None,
+                 one_sided_reads: bool = True, location_cache_size: int = MAX_KEYS,
+                 placement_growth: int = GROWTH, node_refresh_interval: float = REFRESH_EVERY_S):
         self.master = master
-        self.credentials = Credentials.resolve(token, tls_ca, tls_cert, tls_key, etcd_tls)
+        self.credentials = Credentials.resolve(token, tls_ca, tls_cert, tls_key, etcd_tls)  # reads the environment
+        spin = reply_spin() if reply_spin_us is None else _microseconds(reply_spin_us)  # likewise, now
+        self.tuning = Tuning(window, keys_per_frame, max_unacked_puts, spin)
+        self.data_timeout = data_timeout
+        self.one_sided_reads = one_sided_reads
         self.prefer_shm = prefer_shm
         self.replicas = replicas
         self.verify = verify
@@ -108,13 +134,13 @@ class Client:
         self.timeout = timeout
         self._channel = master_channel(master, self.credentials, GRPC_OPTIONS)  # host:port or etcd://
         self._stub = pb_grpc.MasterStub(self._channel)
-        self._locations = LocationCache(location_ttl)
-        self._nodes = KnownNodes()
+        self._locations = LocationCache(location_ttl, location_cache_size)
+        self._nodes = KnownNodes(node_refresh_interval)
         self._placements = Placements(
             lambda namespace, nbytes: self._call(self._stub.Place, self._place_request(namespace, nbytes)),
             lambda namespace, nbytes: self._stub.Place.future(self._place_request(namespace, nbytes),
                                                               timeout=self.timeout),
-            self._nodes.update, placement_ttl, placement_bytes)
+            self._nodes.update, placement_ttl, placement_bytes, placement_growth)
         self._lock = threading.Lock()  # guards _threads and _closed
         self._local = threading.local()  # .state (_ThreadConns) and its .conns and .put_failures
         self._threads: weakref.WeakSet[_ThreadConns] = weakref.WeakSet()  # of the threads alive that used it
@@ -531,7 +557,8 @@ class Client:
         if conn is None:
             self._check_open()
             conn = open_connection(node, prefer_shm=self.prefer_shm, verify=self.verify, data_path=self.data_path,
-                                   credentials=self.credentials)
+                                   credentials=self.credentials, timeout=self.data_timeout,
+                                   one_sided=self.one_sided_reads, tuning=self.tuning)
             with self._lock:
                 closed = self._closed
                 if not closed:
@@ -636,6 +663,13 @@ def with_cached_locations(match: PrefixMatch, cached: list) -> PrefixMatch:
         if held:
             per_node[node_id] = held
     return PrefixMatch(longest, per_node)
+
+
+def _microseconds(us: float) -> float:
+    """``us`` microseconds in seconds; ConfigError unless a number of at least 0."""
+    if isinstance(us, bool) or not isinstance(us, (int, float)) or not us >= 0:
+        raise ConfigError(f"reply_spin_us must be a number of microseconds, at least 0, got {us!r}")
+    return us / 1e6
 
 
 def _group_by_namespace(keys: Sequence[BlockKey]) -> dict[str, list[int]]:

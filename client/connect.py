@@ -22,7 +22,8 @@ def check_data_path(data_path: str | None) -> str | None:
 
 
 def open_connection(node, *, prefer_shm: bool = True, verify: bool = True, data_path: str | None = None,
-                    credentials=NO_CREDENTIALS):
+                    credentials=NO_CREDENTIALS, timeout: float | None = None, one_sided: bool = True,
+                    tuning=None):
     """A data-plane connection to ``node`` (a NodeInfo).
 
     Same machine and the node's arena and Unix socket visible here: shared
@@ -30,20 +31,25 @@ def open_connection(node, *, prefer_shm: bool = True, verify: bool = True, data_
     otherwise: the Unix socket. Anywhere else: TCP. ``data_path`` "tcp" always
     uses TCP, "unix" the Unix socket when the node is on this host (else TCP),
     "shm" the default choice; None: the default choice, with ``prefer_shm``.
-    ``credentials``: the caller's token and TLS settings.
+    ``credentials``: the caller's token and TLS settings. ``timeout``: seconds a
+    dial, and then each socket operation, may take (None: no limit). ``one_sided``:
+    shared-memory reads through the node's block directory (else every read leases).
+    ``tuning``: the connection's ``transport.Tuning`` (None: the defaults).
     """
     from kvstore_client import transport
 
+    tuning = transport.DEFAULT_TUNING if tuning is None else tuning
+    common = dict(verify=verify, credentials=credentials, timeout=timeout, tuning=tuning)
     if check_data_path(data_path) == "tcp":
-        return transport.TcpConnection(node.data_address, verify=verify, credentials=credentials)
+        return transport.TcpConnection(node.data_address, **common)
     if data_path is not None:
         prefer_shm = data_path == "shm"
     same_host = node.machine_id == machine_id() and node.unix_socket and os.path.exists(node.unix_socket)
     if same_host and prefer_shm and node.shm_arena:
         try:
-            return transport.ShmConnection(node.unix_socket, node.shm_arena, verify=verify, credentials=credentials)
+            return transport.ShmConnection(node.unix_socket, node.shm_arena, one_sided=one_sided, **common)
         except OSError as exc:  # e.g. another container's /dev/shm: fall back to a socket
             log.info("shared memory with %s unavailable (%s); using its socket", node.node_id, exc)
     if same_host:
-        return transport.UnixConnection(node.unix_socket, verify=verify, credentials=credentials)
-    return transport.TcpConnection(node.data_address, verify=verify, credentials=credentials)
+        return transport.UnixConnection(node.unix_socket, **common)
+    return transport.TcpConnection(node.data_address, **common)

@@ -15,12 +15,14 @@ from cachetools import TTLCache
 from kvstore_client.keys import BlockKey
 
 Replica = tuple[str, int]  # (node_id, tier as the protobuf enum value)
+MAX_KEYS = 1_000_000  # keys whose locations are cached at most (past that the least recently used go)
 
 
 class LocationCache:
-    """Thread-safe TTL cache of key -> replicas."""
+    """Thread-safe TTL cache of key -> replicas: at most ``maxsize`` keys, each for ``ttl``
+    seconds (0: nothing is cached)."""
 
-    def __init__(self, ttl: float, maxsize: int = 1_000_000):
+    def __init__(self, ttl: float, maxsize: int = MAX_KEYS):
         self._cache: TTLCache = TTLCache(maxsize=maxsize, ttl=ttl)
         self._lock = threading.Lock()
         self.enabled = ttl > 0

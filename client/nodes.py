@@ -3,7 +3,7 @@
 Filled from the master's Locate and Place replies. A node that restarts comes
 back under the same id on new ports and a new arena, so an address can go
 stale: when dialling it fails, ``refresh`` asks the master for every live
-node's current one (at most once a second, however many nodes fail: nodes
+node's current one (at most once a second by default, however many nodes fail: nodes
 that are down cost the master one call a second per client, not one per
 read). ``unreachable`` says so in the log once per node every
 ``WARN_EVERY_S`` seconds, not on every read.
@@ -25,12 +25,14 @@ WARN_EVERY_S = 10.0
 
 
 class KnownNodes:
-    """Thread-safe map of node id to NodeInfo, with rate-limited refreshes and warnings."""
+    """Thread-safe map of node id to NodeInfo, with rate-limited refreshes and warnings.
+    ``refresh_every``: seconds between two refreshes at most (default REFRESH_EVERY_S)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refresh_every: float = REFRESH_EVERY_S) -> None:
         self._lock = threading.Lock()
         self._infos: dict[str, pb.NodeInfo] = {}
-        self._refreshed = -REFRESH_EVERY_S  # monotonic time of the last refresh
+        self.refresh_every = refresh_every
+        self._refreshed = -refresh_every  # monotonic time of the last refresh
         self._warned: dict[str, float] = {}
 
     def get(self, node_id: str) -> pb.NodeInfo | None:
@@ -43,10 +45,10 @@ class KnownNodes:
 
     def refresh(self, node: pb.NodeInfo, live_nodes: Callable[[], Iterable[pb.NodeInfo]]) -> pb.NodeInfo:
         """``node``'s current info from ``live_nodes()`` (the master's view; empty when it cannot
-        be asked), or the one known here if it was refreshed less than ``REFRESH_EVERY_S`` ago."""
+        be asked), or the one known here if it was refreshed less than ``refresh_every`` ago."""
         now = time.monotonic()
         with self._lock:
-            if now - self._refreshed < REFRESH_EVERY_S:
+            if now - self._refreshed < self.refresh_every:
                 return self._infos.get(node.node_id, node)
             self._refreshed = now
         self.update(live_nodes())

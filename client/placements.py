@@ -46,11 +46,13 @@ class Placements:
     ``ask(namespace, nbytes)`` asks the master now (a PlaceReply, or a typed
     error); ``ask_ahead(namespace, nbytes)`` asks in the background (a
     future of one); ``on_nodes(nodes)`` learns the nodes of every reply.
+    ``growth``: a fast writer's placements grow to at most this many times ``min_bytes``.
     """
 
-    def __init__(self, ask: Callable, ask_ahead: Callable, on_nodes: Callable, ttl: float, min_bytes: int):
+    def __init__(self, ask: Callable, ask_ahead: Callable, on_nodes: Callable, ttl: float, min_bytes: int,
+                 growth: int = GROWTH):
         self._ask, self._ask_ahead, self._on_nodes = ask, ask_ahead, on_nodes
-        self.ttl, self.min_bytes = ttl, min_bytes
+        self.ttl, self.min_bytes, self.growth = ttl, min_bytes, growth
         self._held: dict[str, _Held] = {}
         self._ahead: dict[str, tuple[float, int, grpc.Future]] = {}  # (asked at, size, reply to come)
         self._lock = threading.Lock()
@@ -87,7 +89,7 @@ class Placements:
     def next_size(self, used: int, elapsed: float) -> int:
         """Bytes for the next placement of a writer that used ``used`` bytes in ``elapsed`` seconds."""
         wanted = int(used / max(elapsed, 1e-3) * self.ttl)
-        return min(max(wanted, self.min_bytes), GROWTH * self.min_bytes)
+        return min(max(wanted, self.min_bytes), self.growth * self.min_bytes)
 
     def asked_ahead(self, namespace: str) -> tuple[int, grpc.Future] | None:
         """(size, future) of the placement asked for ahead for ``namespace``, if any."""

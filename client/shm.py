@@ -61,7 +61,7 @@ from kvstore_client.errors import (
 from kvstore_client.hostid import machine_id
 from kvstore_client.shm_writes import ArenaWrites
 from kvstore_client.keys import BlockKey, check_key
-from kvstore_client.transport import KEYS_PER_FRAME, DataPlaneConnection, _connect, _raise_first, _split
+from kvstore_client.transport import DEFAULT_TUNING, DataPlaneConnection, Tuning, _connect, _raise_first, _split
 from kvstore_client.wire import (
     FLAG_HOLD,
     FLAG_NO_REPLY,
@@ -123,10 +123,12 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
     """
 
     def __init__(self, target: str, arena_name: str | None = None, *, verify: bool = True,
-                 timeout: float | None = None, one_sided: bool = True, credentials=NO_CREDENTIALS):
+                 timeout: float | None = None, one_sided: bool = True, credentials=NO_CREDENTIALS,
+                 tuning: Tuning = DEFAULT_TUNING):
         self.target = target
         self._grants: list = []  # arena space set aside for our next puts (ArenaWrites)
-        super().__init__(_connect(target, timeout), verify=verify, credentials=credentials)  # authenticates before mapping
+        super().__init__(_connect(target, timeout), verify=verify, credentials=credentials,
+                         tuning=tuning)  # authenticates before mapping
         ttl = self._info.get("lease_ttl")
         self.lease_ttl: float | None = None if ttl is None else float(ttl)  # the node's, from INFO
         self._direct: OneSidedReads | None = None  # reads through the node's block directory
@@ -313,7 +315,7 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         later, damaged = [], []
         while todo:
             deferred = []
-            chunks = [todo] if len(todo) == 1 else _split(todo, costs, self.max_frame_bytes, KEYS_PER_FRAME)
+            chunks = [todo] if len(todo) == 1 else _split(todo, costs, self.max_frame_bytes, self.keys_per_frame)
             for chunk in chunks:
                 sent = _monotonic()
                 lease_id, items = self._lease(keys, chunk, 0)
@@ -365,7 +367,7 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         try:
             while todo:
                 deferred = []
-                for chunk in _split(todo, [0] * len(keys), self.max_frame_bytes, KEYS_PER_FRAME):
+                for chunk in _split(todo, [0] * len(keys), self.max_frame_bytes, self.keys_per_frame):
                     lease_id, items = self._lease(keys, chunk, FLAG_HOLD)
                     if lease_id:
                         ids.append(lease_id)

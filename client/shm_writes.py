@@ -28,7 +28,7 @@ import xxhash
 
 from kvstore_client.cuda import DeviceView, copy_to_host
 from kvstore_client.errors import ProtocolError
-from kvstore_client.transport import KEYS_PER_FRAME, DataPlaneConnection, _split
+from kvstore_client.transport import DataPlaneConnection, _split
 from kvstore_client.wire import (
     FLAG_ABORT,
     FLAG_NO_REPLY,
@@ -73,7 +73,7 @@ class ArenaWrites(DataPlaneConnection):
         same sizes for the next put (REGRANT). Without ``wait`` the STORE or COMMIT is not
         waited for, and more grants are asked for, up to GRANTS_AHEAD."""
         costs = {i: len(view) for i, (_, view, _) in ready.items()}
-        for chunk in _split(list(ready), costs, self.max_frame_bytes, KEYS_PER_FRAME):
+        for chunk in _split(list(ready), costs, self.max_frame_bytes, self.keys_per_frame):
             items = [ready[i] for i in chunk]
             sizes = [len(view) for _, view, _ in items]
             grant = self._take_grant(sizes, wait)

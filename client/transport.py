@@ -24,13 +24,14 @@ it returns one ``None`` (stored) or typed exception instance per item, and
 ``put`` raises that exception. A connection that died mid-transfer raises
 TransportError, a node that rejected a frame ProtocolError; both leave the
 connection closed. Big batches are split so that no frame exceeds the node's
-``max_frame_bytes``, with up to two frames in flight. Shared-memory reads
+``max_frame_bytes``, with up to two frames in flight (``Tuning``: each connection's window,
+items per frame, puts left unanswered and reply polling). Shared-memory reads
 release their leases late, in front of the connection's next request;
 ``flush()`` releases them at once (and is a no-op on socket transports).
 
 ``put_many(items, wait=False)`` sends and returns: the node's replies are read
 in front of the reply to the connection's next request, or by ``flush()``
-(at most ``UNACKED_MAX`` frames stay unanswered). What such puts failed to
+(at most ``UNACKED_MAX`` frames stay unanswered, or the connection's ``Tuning``). What such puts failed to
 store, a dead connection's unanswered items included, collects in
 ``put_failures`` as (key, error) pairs.
 """
@@ -42,6 +43,7 @@ import socket
 import ssl
 import struct
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import xxhash
@@ -53,6 +55,7 @@ from kvstore_client.cuda import DeviceView, send_from
 from kvstore_client.errors import (
     BufferTooSmall,
     ChecksumMismatch,
+    ConfigError,
     InvalidValue,
     KVStoreError,
     ProtocolError,
@@ -93,6 +96,33 @@ OVERLAP_HASH_BYTES = 512 << 10  # PUT frames this large send their checksums aft
 UNIX_SOCKET_BUFFER = 4 << 20
 _MAX_AUTH_REPLY = 4096
 UNACKED_MAX = 8  # frames of puts sent without waiting that may stay unanswered (replies are a few bytes)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """A connection's tuning (``Client(...)`` takes each as a keyword argument; the defaults are
+    the module's constants). ``window``: request frames in flight, the next sent while the node
+    answers the previous. ``keys_per_frame``: items in one frame at most (keys-only requests stay
+    small, so that pipelining cannot deadlock). ``max_unacked_puts``: frames of puts sent without
+    waiting that may stay unanswered. ``reply_spin``: seconds to poll for a small reply before
+    sleeping (None: ``wire.reply_spin()``, KVSTORE_REPLY_SPIN_US, read when the connection is made)."""
+
+    window: int = WINDOW
+    keys_per_frame: int = KEYS_PER_FRAME
+    max_unacked_puts: int = UNACKED_MAX
+    reply_spin: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("window", "keys_per_frame"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an int of at least 1, got {getattr(self, name)!r}")
+        if type(self.max_unacked_puts) is not int or self.max_unacked_puts < 0:
+            raise ConfigError(f"max_unacked_puts must be an int of at least 0, got {self.max_unacked_puts!r}")
+        if self.reply_spin is not None and not self.reply_spin >= 0:
+            raise ConfigError(f"reply_spin must be seconds, at least 0, got {self.reply_spin!r}")
+
+
+DEFAULT_TUNING = Tuning()
 
 
 if TYPE_CHECKING:
@@ -189,10 +219,13 @@ class _StreamGuard:
 class DataPlaneConnection:
     """Operations shared by every transport, over one stream socket. One per thread."""
 
-    def __init__(self, sock: socket.socket | TLSSocket, *, verify: bool = True, credentials: Credentials = NO_CREDENTIALS):
+    def __init__(self, sock: socket.socket | TLSSocket, *, verify: bool = True, credentials: Credentials = NO_CREDENTIALS,
+                 tuning: Tuning = DEFAULT_TUNING):
         self.verify = verify  # check each block's XXH3-64 against the node's checksum
+        self.tuning = tuning
+        self._window, self.keys_per_frame, self._unacked_max = tuning.window, tuning.keys_per_frame, tuning.max_unacked_puts
         self._sock = sock
-        self._reader = FrameReader(sock, spin=reply_spin())
+        self._reader = FrameReader(sock, spin=reply_spin() if tuning.reply_spin is None else tuning.reply_spin)
         self._request_id = 0
         self._dead: str | None = None
         self._finished: list[int] = []  # lease ids done with (shared memory): released with the next request
@@ -212,6 +245,7 @@ class DataPlaneConnection:
         self.max_frame_bytes = int(self._info["max_frame_bytes"])
         self.max_block_bytes = int(self._info["max_block_bytes"])
         self.max_items = int(self._info["max_items"])
+        self.keys_per_frame = min(self.keys_per_frame, self.max_items)
 
     def _authenticate(self, key: DataKey) -> None:
         """The data-plane challenge-response (kvstore_client.auth); Unauthenticated when the
@@ -298,8 +332,8 @@ class DataPlaneConnection:
         """Leave the reply to ``request_id`` (puts of ``keys``) for later: ``collect(request_id)``
         reads it and returns the statuses. Reads the oldest such replies when too many wait."""
         self._unacked.append((request_id, keys, collect))
-        if len(self._unacked) > UNACKED_MAX:
-            self._collect_unacked(UNACKED_MAX)
+        if len(self._unacked) > self._unacked_max:
+            self._collect_unacked(self._unacked_max)
 
     def _collect_unacked(self, keep: int = 0) -> None:
         """Read the replies of puts not waited for, oldest first, until ``keep`` remain; what
@@ -336,12 +370,12 @@ class DataPlaneConnection:
         return body_len
 
     def _pipeline(self, chunks: list, send, receive) -> None:
-        """send(chunk) -> request id for each chunk, receive(chunk, request id) in order, WINDOW in flight."""
+        """send(chunk) -> request id for each chunk, receive(chunk, request id) in order, ``window`` in flight."""
         pending: deque = deque()
         with self._stream():
             for chunk in chunks:
                 pending.append((chunk, send(chunk)))
-                if len(pending) >= WINDOW:
+                if len(pending) >= self._window:
                     receive(*pending.popleft())
             while pending:
                 receive(*pending.popleft())
@@ -465,7 +499,7 @@ class DataPlaneConnection:
         ``target(j, None)`` forgets an earlier call for j); per-key failures go to ``errors``;
         ``landed()``, when given, runs after each reply's blocks are in and verified.
         Frames hold at most ``max_frame_bytes`` of ``costs``."""
-        budget = self.max_frame_bytes - KEYS_PER_FRAME * GET_ITEM.size
+        budget = self.max_frame_bytes - self.keys_per_frame * GET_ITEM.size
         while todo:
             deferred: list[int] = []
 
@@ -489,7 +523,7 @@ class DataPlaneConnection:
                 if landed is not None:
                     landed()
 
-            chunks = _split(todo, costs, budget, KEYS_PER_FRAME)
+            chunks = _split(todo, costs, budget, self.keys_per_frame)
             self._pipeline(chunks, lambda chunk: self._keys_request(Op.GET, keys, chunk), receive)
             todo = deferred
 
@@ -676,7 +710,7 @@ class DataPlaneConnection:
             table = bytes([len(address)]) + address + b"".join([pull_entry(*items[i]) for i in chunk])
             return self._send(Op.PULL, len(chunk), table)
 
-        chunks = _split(list(range(len(items))), [0] * len(items), 1, KEYS_PER_FRAME)
+        chunks = _split(list(range(len(items))), [0] * len(items), 1, self.keys_per_frame)
         self._pipeline(chunks, send, lambda chunk, rid: self._statuses(Op.PULL, chunk, rid, statuses))
         return _found(statuses)
 
@@ -694,7 +728,7 @@ class DataPlaneConnection:
     def _item_statuses(self, op: int, keys: list) -> list[int]:
         """A keys-only request (EXISTS, REMOVE, VERIFY): one status per key."""
         statuses: list = [Status.NOT_FOUND] * len(keys)
-        chunks = _split(list(range(len(keys))), [0] * len(keys), 1, KEYS_PER_FRAME)
+        chunks = _split(list(range(len(keys))), [0] * len(keys), 1, self.keys_per_frame)
         self._pipeline(chunks, lambda chunk: self._keys_request(op, keys, chunk),
                        lambda chunk, rid: self._statuses(op, chunk, rid, statuses))
         return statuses
@@ -743,20 +777,20 @@ class TcpConnection(DataPlaneConnection):
     """Frames over TCP to ``address`` ("host:port"). One per thread."""
 
     def __init__(self, address: str, *, verify: bool = True, timeout: float | None = None,
-                 credentials: Credentials = NO_CREDENTIALS):
+                 credentials: Credentials = NO_CREDENTIALS, tuning: Tuning = DEFAULT_TUNING):
         self.address = address
         super().__init__(_connect(address, timeout, credentials.client_tls()), verify=verify,
-                         credentials=credentials)
+                         credentials=credentials, tuning=tuning)
 
 
 class UnixConnection(DataPlaneConnection):
     """Frames over the node's Unix socket at ``path`` (same host). One per thread."""
 
     def __init__(self, path: str, *, verify: bool = True, timeout: float | None = None,
-                 credentials: Credentials = NO_CREDENTIALS):
+                 credentials: Credentials = NO_CREDENTIALS, tuning: Tuning = DEFAULT_TUNING):
         self.path = path
         super().__init__(_connect(path if "/" in path else "./" + path, timeout), verify=verify,
-                         credentials=credentials)
+                         credentials=credentials, tuning=tuning)
 
 
 def __getattr__(name: str):

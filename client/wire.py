@@ -261,7 +261,8 @@ _FILL = 16384  # bytes asked for when refilling: small, so little payload is cop
 # loaded node or CPU is not polled for nothing. Replies with blocks (GET) are not polled for:
 # their bytes keep coming for longer, and polling for the first of them cost 40 microseconds of
 # CPU per 1 MiB get for no gain in time. Environment: KVSTORE_REPLY_SPIN_US (0: never poll), read
-# when a connection is made (never at import).
+# when a Client is built (Client(reply_spin_us=...) overrides it), or by a connection made on its own
+# when it is made; never at import.
 DEFAULT_REPLY_SPIN_US = 200.0
 
 

@@ -57,23 +57,48 @@ value comes from (`--json` for scripts), without running it. A file with an unkn
 table or key is refused with a message naming it.
 """
 
-SDK = """## The SDK
+SDK_HEAD = """## The SDK
 
 `Client(master, ...)` (and `AsyncClient`, which takes the same arguments) is configured
-by its arguments; it reads the environment when it is built, never at import.
+by its keyword arguments; it reads the environment when it is built, never at import.
+The defaults are the SDK's own constants.
 
-| argument | default | meaning |
-|---|---|---|
-| `prefer_shm` | `True` | use shared memory with nodes on this host |
-| `data_path` | `None` | force `"tcp"`, `"unix"` or `"shm"` (default: shared memory on this host, else TCP) |
-| `verify` | `True` | check each block's XXH3-64 on every read |
-| `timeout` | `10.0` | seconds a call to the master may take |
-| `location_ttl` | `2.0` | seconds a block location stays cached |
-| `placement_ttl`, `placement_bytes` | `1.0`, 64 MiB | one placement serves this many seconds or bytes of puts |
-| `replicas` | `0` | copies per put (0: the master's `--replicas`) |
-| `token` | KVSTORE_TOKEN | what the pool's access file knows this caller by |
-| `tls_ca`, `tls_cert`, `tls_key` | KVSTORE_TLS_CA | TLS to a pool that speaks it; a certificate for mutual TLS |
+"""
 
+# The meaning of each keyword argument of Client(...), in the signature's order; the table's defaults
+# come from the signature itself, and render() refuses a list that is not exactly the Client's arguments.
+SDK_ARGUMENTS = {
+    "prefer_shm": "use shared memory with nodes on this host",
+    "location_ttl": "seconds a block location stays cached (0: none is)",
+    "placement_ttl": "seconds one placement from the master serves puts to a namespace",
+    "placement_bytes": "bytes of puts one placement serves (a faster writer's grow: `placement_growth`)",
+    "replicas": "copies per put (0: the master's `--replicas`)",
+    "verify": "check each block's XXH3-64 on every read",
+    "timeout": "seconds a call to the master may take",
+    "data_path": 'force `"tcp"`, `"unix"` or `"shm"` (default: shared memory on this host, else TCP)',
+    "token": "what the pool's access file knows this caller by (default: KVSTORE_TOKEN)",
+    "tls_ca": "the CA of a pool that speaks TLS (default: KVSTORE_TLS_CA)",
+    "tls_cert": "this client's certificate, for a pool that wants mutual TLS",
+    "tls_key": "the key of `tls_cert`",
+    "etcd_tls": "how an `etcd://` address reaches etcd (default: KVSTORE_ETCD_CA, KVSTORE_ETCD_CERT, "
+                "KVSTORE_ETCD_KEY)",
+    "window": "request frames in flight on a data-plane connection: the next is sent while the node "
+              "answers the previous",
+    "keys_per_frame": "blocks in one data-plane frame at most (and the node's `max_items`)",
+    "max_unacked_puts": "frames of `wait=False` puts a connection leaves unanswered before it reads the "
+                        "oldest replies",
+    "reply_spin_us": "microseconds a connection polls for a small reply before it sleeps (0: never poll; "
+                     "default: KVSTORE_REPLY_SPIN_US, else 200)",
+    "data_timeout": "seconds a data-plane dial, and each socket operation after it, may take (none: no limit)",
+    "one_sided_reads": "read blocks of this host's nodes through their block directories, no round trip "
+                       "(off: every read leases)",
+    "location_cache_size": "keys whose locations are cached at most",
+    "placement_growth": "a fast writer's placements grow to at most this many times `placement_bytes`",
+    "node_refresh_interval": "seconds between two refreshes of the nodes' addresses at most, when dialling "
+                             "one fails",
+}
+
+SDK_TAIL = """
 | environment | default | meaning |
 |---|---|---|
 | KVSTORE_TOKEN | none | the caller's token (SDK, CLI, vLLM connector) |
@@ -91,6 +116,33 @@ The vLLM connector's settings (`kv_connector_extra_config`) are in `vllm.md`.
 | KVSTORE_LMCACHE_PYTHON | the Python of an environment with LMCache, for `bench.vllm_reuse`'s peer |
 | KVSTORE_HIT_RATE_TRACE | a conversation trace for the hit-rate reference test (skipped without one) |
 """
+
+
+def client_arguments() -> dict[str, object]:
+    """Client(...)'s keyword arguments and their defaults, in the signature's order."""
+    import inspect
+
+    from kvstore_client.client import Client
+
+    return {name: p.default for name, p in inspect.signature(Client.__init__).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _sdk_default(value: object) -> str:
+    if value is None:
+        return "none"
+    if type(value) is int and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"`{value >> 20} MiB`"
+    return f"`{value:_}`" if type(value) is int and value >= 10_000 else f"`{value}`"
+
+
+def sdk_section() -> str:
+    arguments = client_arguments()
+    if list(arguments) != list(SDK_ARGUMENTS):
+        raise SystemExit(f"SDK_ARGUMENTS must list Client's keyword arguments in order: {list(arguments)}")
+    rows = ["| argument | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{name}` | {_sdk_default(default)} | {SDK_ARGUMENTS[name]} |" for name, default in arguments.items()]
+    return SDK_HEAD + "\n".join(rows) + "\n" + SDK_TAIL
 
 
 def _default(param: click.Option) -> str:
@@ -141,7 +193,7 @@ def render() -> str:
     for name in sorted(main.commands):
         parts.append(command_table(name, main.commands[name]))
     parts.append(cost_model_table())
-    parts.append(SDK)
+    parts.append(sdk_section())
     return "\n".join(parts)
 
 
