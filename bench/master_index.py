@@ -29,7 +29,7 @@ import grpc
 
 from bench.common import emit, markdown_table, median_rate
 from kvstore.master.index import DRAM, SSD, STORED
-from kvstore.master.membership import NodeInfo
+from kvstore.master.membership import NodeIdentity
 from kvstore.master.server import MasterServer
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
@@ -44,7 +44,7 @@ def load(server: MasterServer, chains: int, chain_len: int, seed: int) -> list[l
     rng = random.Random(seed)
     node_ids = [f"node-{i}" for i in range(NODES)]
     for i, node_id in enumerate(node_ids):
-        server.membership.register(NodeInfo(node_id, host=f"h{i}", machine_id=f"m{i}", data_address=f"h{i}:7000"))
+        server.membership.register(NodeIdentity(node_id, host=f"h{i}", machine_id=f"m{i}", data_address=f"h{i}:7000"))
     all_chains = [[rng.randbytes(16) for _ in range(chain_len)] for _ in range(chains)]
     ssd_from, half = chain_len * 3 // 4, chain_len // 2
     for c, chain in enumerate(all_chains):

@@ -46,7 +46,7 @@ from kvstore_client.nodes import REFRESH_EVERY_S, KnownNodes
 from kvstore_client.placements import GROWTH, Placements
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore_client.scheduling import Placement, SchedulingCalls
+from kvstore_client.scheduling import EngineAssignment, SchedulingCalls
 from kvstore_client.transport import KEYS_PER_FRAME, UNACKED_MAX, WINDOW, Tuning
 from kvstore_client.wire import reply_spin
 
@@ -457,7 +457,7 @@ class Client:
 
     # -- scheduling (the conductor) ---------------------------------------------------------------
     def schedule(self, keys: Sequence[BlockKey], input_length: int, output_length: int = 0,
-                 request_id: str = "") -> Placement:
+                 request_id: str = "") -> EngineAssignment:
         """Ask the conductor which prefill and decode engines run a request whose prompt has
         the block ``keys``; raises Overloaded (with ``.reason``) when it rejects the request.
         Engines register and report through ``client.scheduling``."""

@@ -27,7 +27,7 @@ STAGES = {
 
 
 @dataclass(frozen=True)
-class Placement:
+class EngineAssignment:
     """Where the conductor runs a request, and what it reuses.
 
     ``fetch_blocks`` blocks are being copied from ``fetch_from_node`` to the
@@ -72,7 +72,7 @@ class SchedulingCalls:
             running_batch=running_batch, context_tokens=context_tokens))
 
     def schedule(self, keys: list[BlockKey], input_length: int, output_length: int = 0,
-                 request_id: str = "", namespace: str | None = None) -> Placement:
+                 request_id: str = "", namespace: str | None = None) -> EngineAssignment:
         if namespace is None:
             if not keys:
                 raise ValueError("schedule needs block keys or a namespace")
@@ -80,7 +80,7 @@ class SchedulingCalls:
         reply = self._call(self._schedule, pb.ScheduleRequest(
             namespace=namespace, request_id=request_id, digests=[k[1] for k in keys],
             input_length=input_length, output_length=output_length))
-        return Placement(**{f: getattr(reply, f) for f in Placement.__dataclass_fields__})
+        return EngineAssignment(**{f: getattr(reply, f) for f in EngineAssignment.__dataclass_fields__})
 
     def _schedule(self, request: pb.ScheduleRequest, **kwargs) -> pb.ScheduleReply:
         """The Schedule call; a rejection raises Overloaded with the reply's ``reason`` field."""

@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 
 from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore_client.tiers import TIER_NAMES
 from kvstore.units import format_size
-
-TIER_NAMES = {pb.DRAM: "dram", pb.SSD: "ssd"}
 
 
 def cluster_status_record(reply: pb.ClusterStatusReply) -> dict:

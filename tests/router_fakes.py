@@ -12,7 +12,7 @@ from aiohttp import web
 from kvstore.router.server import EngineRecord
 from kvstore_client.errors import Overloaded
 from kvstore_client.proto import kvstore_pb2 as pb
-from kvstore_client.scheduling import Placement
+from kvstore_client.scheduling import EngineAssignment
 
 
 class Served:
@@ -99,7 +99,7 @@ class FakeBackend:
         if self.overloaded:
             raise Overloaded("ttft_slo: estimated TTFT 9s > SLO 1s", self.overloaded)
         self.scheduled.append((keys, input_length, output_length, namespace))
-        return Placement(request_id, "P", "node-1", "D", len(keys), len(keys) * 4, "", 0, 0.1, 0.01)
+        return EngineAssignment(request_id, "P", "node-1", "D", len(keys), len(keys) * 4, "", 0, 0.1, 0.01)
 
     def report(self, namespace, request_id, stage):
         self.reports.append(stage)

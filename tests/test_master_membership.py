@@ -6,8 +6,8 @@ import pytest
 
 from kvstore.master.errors import InvalidRequest
 from kvstore.master.index import DRAM, STORED, PrefixIndex
-from kvstore.master.membership import Membership, NodeInfo, TierStats
-from kvstore.master.placement import Candidate, Placement
+from kvstore.master.membership import Membership, NodeIdentity, TierStats
+from kvstore.master.placement import Candidate, PlacementPolicy
 
 NS = "ns"
 
@@ -36,7 +36,7 @@ def blocks(*ints):
 
 def test_register_heartbeat_known(members, clock):
     assert not members.known("a") and not members.heartbeat("a")
-    members.register(NodeInfo("a", host="h", machine_id="m1", data_address="h:1"))
+    members.register(NodeIdentity("a", host="h", machine_id="m1", data_address="h:1"))
     assert members.known("a") and len(members) == 1
     clock.now += 2
     assert members.heartbeat("a", [TierStats("dram", capacity=100, used=30, blocks=3)])
@@ -44,13 +44,13 @@ def test_register_heartbeat_known(members, clock):
     assert state.last_seen == clock.now and state.dram_free() == 70
     assert members.seconds_since(state) == 0
     with pytest.raises(InvalidRequest):
-        members.register(NodeInfo(""))
+        members.register(NodeIdentity(""))
 
 
 def test_reregistering_replaces_info_and_starts_a_fresh_session(members):
-    members.register(NodeInfo("a", machine_id="m1"))
+    members.register(NodeIdentity("a", machine_id="m1"))
     assert members.report("a", blocks(1, 2))
-    members.register(NodeInfo("a", machine_id="m2"))
+    members.register(NodeIdentity("a", machine_id="m2"))
     assert members.get("a").info.machine_id == "m2" and len(members) == 1
     assert members.index.node_blocks("a") == 0  # waits for the node's inventory
     assert members.report("a", blocks(1), full_inventory=True)
@@ -63,8 +63,8 @@ def test_report_from_unknown_node_is_ignored(members):
 
 
 def test_ttl_expiry_drops_silent_nodes_and_their_blocks(members, clock):
-    members.register(NodeInfo("a"))
-    members.register(NodeInfo("b"))
+    members.register(NodeIdentity("a"))
+    members.register(NodeIdentity("b"))
     members.report("a", blocks(1, 2))
     members.report("b", blocks(2, 3))
     clock.now += 4
@@ -80,7 +80,7 @@ def test_ttl_expiry_drops_silent_nodes_and_their_blocks(members, clock):
 
 
 def test_a_report_renews_the_lease(members, clock):
-    members.register(NodeInfo("a"))
+    members.register(NodeIdentity("a"))
     clock.now += 4
     members.report("a", blocks(1))
     clock.now += 4
@@ -90,14 +90,14 @@ def test_a_report_renews_the_lease(members, clock):
 
 
 def test_remove(members):
-    members.register(NodeInfo("a"))
+    members.register(NodeIdentity("a"))
     members.report("a", blocks(1))
     assert members.remove("a") and not members.remove("a")
     assert members.index.size() == 0
 
 
 def test_placed_bytes_count_against_free_dram_until_the_next_heartbeat(members):
-    members.register(NodeInfo("a"))
+    members.register(NodeIdentity("a"))
     members.heartbeat("a", [TierStats("dram", capacity=100, used=30)])
     members.charge(["a", "unknown"], 50)
     assert members.get("a").dram_free() == 20
@@ -117,19 +117,19 @@ NODES = [cand("n1", "m1", 10), cand("n2", "m2", 50), cand("n3", "m3", 30), cand(
 
 
 def test_local_first_even_when_fuller():
-    assert Placement().choose(NODES, machine_id="m3") == ["n3"]
-    assert Placement().choose(NODES, machine_id="m2") == ["n2"]  # best of the local ones
+    assert PlacementPolicy().choose(NODES, machine_id="m3") == ["n3"]
+    assert PlacementPolicy().choose(NODES, machine_id="m2") == ["n2"]  # best of the local ones
 
 
 def test_most_free_without_a_local_node():
-    assert Placement().choose(NODES, machine_id="elsewhere") == ["n2"]
-    assert Placement().choose(NODES) == ["n2"]
+    assert PlacementPolicy().choose(NODES, machine_id="elsewhere") == ["n2"]
+    assert PlacementPolicy().choose(NODES) == ["n2"]
     tied = [cand("x", "m1", 10, blocks_=5), cand("y", "m2", 10, blocks_=2), cand("z", "m3", 10, blocks_=2)]
-    assert Placement().choose(tied) == ["y"]  # fewer blocks, then node id
+    assert PlacementPolicy().choose(tied) == ["y"]  # fewer blocks, then node id
 
 
 def test_replicas_distinct_primary_first_new_machines_preferred():
-    p = Placement(replication_factor=3)
+    p = PlacementPolicy(replication_factor=3)
     assert p.choose(NODES, machine_id="m1") == ["n1", "n2", "n3"]  # n4 shares m2 with n2
     assert p.choose(NODES, machine_id="m1", replicas=4) == ["n1", "n2", "n3", "n4"]
     assert p.choose(NODES, replicas=2) == ["n2", "n3"]
@@ -139,9 +139,9 @@ def test_replicas_distinct_primary_first_new_machines_preferred():
 
 def test_placement_rejects_nonsense():
     with pytest.raises(InvalidRequest):
-        Placement(replication_factor=0)
+        PlacementPolicy(replication_factor=0)
     with pytest.raises(InvalidRequest):
-        Placement().choose(NODES, replicas=-1)
+        PlacementPolicy().choose(NODES, replicas=-1)
 
 
 # -- a node id is bound to the credential that registered it while its lease is live ----------------
@@ -150,23 +150,23 @@ def test_placement_rejects_nonsense():
 def test_a_live_id_is_refused_to_another_credential_and_nothing_changes(members, clock):
     from kvstore.master.membership import NodeIdInUse
 
-    members.register(NodeInfo("a", data_address="h:1"), credential="first")
+    members.register(NodeIdentity("a", data_address="h:1"), credential="first")
     members.report("a", blocks(1, 2), credential="first")
     for credential, address in (("second", "h:1"), ("second", "h:2"), ("", "h:1"), ("first", "h:2")):
         with pytest.raises(NodeIdInUse, match="'a'"):
-            members.register(NodeInfo("a", data_address=address), credential=credential)
+            members.register(NodeIdentity("a", data_address=address), credential=credential)
     with pytest.raises(NodeIdInUse):
         members.heartbeat("a", credential="second")
     with pytest.raises(NodeIdInUse):
         members.report("a", [], full_inventory=True, credential="second")
     assert members.get("a").info.data_address == "h:1" and members.index.size() == 2
-    members.register(NodeInfo("a", data_address="h:1"), credential="first")  # its own process again: fine
+    members.register(NodeIdentity("a", data_address="h:1"), credential="first")  # its own process again: fine
     assert members.heartbeat("a", credential="first")
 
 
 def test_the_id_is_free_once_the_lease_lapses(members, clock):
-    members.register(NodeInfo("a", data_address="h:1"), credential="old run")
+    members.register(NodeIdentity("a", data_address="h:1"), credential="old run")
     clock.now += 5.01  # silent past ttl_s, swept or not: the restarted node takes its id back
-    members.register(NodeInfo("a", data_address="h:2"), credential="new run")
+    members.register(NodeIdentity("a", data_address="h:2"), credential="new run")
     assert members.heartbeat("a", credential="new run")
     assert members.get("a").info.data_address == "h:2"

@@ -45,10 +45,9 @@ from typing import Callable, Iterable, Sequence
 from kvstore.master.errors import InvalidRequest
 from kvstore_client.errors import InvalidKey
 from kvstore_client.keys import MAX_DIGEST_LEN, check_namespace
+from kvstore_client.tiers import DRAM, SSD, TIER_NAMES
 
 STORED, REMOVED = 1, 2
-DRAM, SSD = 1, 2
-TIER_NAMES = {DRAM: "dram", SSD: "ssd"}
 
 Holders = tuple  # tuple[tuple[str, int], ...], interned
 Event = tuple  # (kind, tier, digest)
@@ -416,7 +415,7 @@ class PrefixIndex:
     def node_counts(self) -> dict[str, dict[str, int]]:
         """{node_id: {"dram": blocks, "ssd": blocks}} for every known node."""
         with self._lock:
-            return {n: {"dram": c[DRAM], "ssd": c[SSD]} for n, c in self._counts.items()}
+            return {n: {TIER_NAMES[DRAM]: c[DRAM], TIER_NAMES[SSD]: c[SSD]} for n, c in self._counts.items()}
 
     def node_blocks(self, node_id: str) -> int:
         """Blocks indexed for one node (0 if unknown)."""

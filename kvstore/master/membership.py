@@ -46,8 +46,8 @@ class NodeIdInUse(KVStoreError):
 
 
 @dataclass(frozen=True)
-class NodeInfo:
-    """A storage node's identity and addresses (the proto NodeInfo, as plain Python)."""
+class NodeIdentity:
+    """A storage node's identity and addresses: the proto NodeInfo's fields, as plain Python."""
 
     node_id: str
     host: str = ""
@@ -75,7 +75,7 @@ class TierStats:
     checksum_failures: int = 0
 
 
-NODE_INFO_FIELDS = tuple(f.name for f in fields(NodeInfo))
+NODE_INFO_FIELDS = tuple(f.name for f in fields(NodeIdentity))
 TIER_STATS_FIELDS = tuple(f.name for f in fields(TierStats))
 
 
@@ -83,7 +83,7 @@ TIER_STATS_FIELDS = tuple(f.name for f in fields(TierStats))
 class NodeState:
     """A snapshot of one registered node."""
 
-    info: NodeInfo
+    info: NodeIdentity
     registered_at: float
     last_seen: float
     tiers: tuple[TierStats, ...] = field(default=())
@@ -124,7 +124,7 @@ class Membership:
         self._nodes: dict[str, NodeState] = {}
         self._draining: set[str] = set()  # node ids out of service (kept across re-registration)
 
-    def register(self, info: NodeInfo, credential: str = "") -> None:
+    def register(self, info: NodeIdentity, credential: str = "") -> None:
         """Add or replace a node; its index entries start empty (it reports its inventory next).
 
         NodeIdInUse if the id is held by a live node with another credential or data address.
@@ -253,8 +253,8 @@ class Membership:
             deadline = self._clock() - self.ttl_s
             return [self._nodes[n] for n in sorted(self._nodes) if self._nodes[n].last_seen >= deadline]
 
-    def infos(self, node_ids: Iterable[str]) -> list[NodeInfo]:
-        """NodeInfo of each known node among ``node_ids`` (unknown ids are skipped)."""
+    def infos(self, node_ids: Iterable[str]) -> list[NodeIdentity]:
+        """NodeIdentity of each known node among ``node_ids`` (unknown ids are skipped)."""
         with self._lock:
             return [s.info for n in node_ids if (s := self._nodes.get(n)) is not None]
 

@@ -1,6 +1,6 @@
 """Where a put should go: pure ranking of candidate nodes, no grpc, no state.
 
-Rule (``Placement.choose``), primary first, never the same node twice:
+Rule (``PlacementPolicy.choose``), primary first, never the same node twice:
 
 1. Local first: the primary is a node on the writer's machine
    (``machine_id`` equal and non-empty), the one with most free DRAM if there
@@ -41,7 +41,7 @@ def _rank_key(c: Candidate) -> tuple:
     return (-c.free_bytes, c.blocks, c.node_id)
 
 
-class Placement:
+class PlacementPolicy:
     """Chooses nodes for a put; stateless apart from the replication factor."""
 
     def __init__(self, replication_factor: int = 1):

@@ -42,7 +42,7 @@ from kvstore.scheduler.cost_model import CostModel
 from kvstore.master.index import PrefixIndex
 from kvstore.master.kv_events import KVEventsOptions, open_publisher
 from kvstore.master.membership import Membership
-from kvstore.master.placement import Placement
+from kvstore.master.placement import PlacementPolicy
 from kvstore.master.quotas import Quotas
 from kvstore.master.replicator import Replicator
 from kvstore.master.rpc_handlers import add_services
@@ -78,7 +78,7 @@ class MasterServer:
         self.host, self._port, self._metrics_port = host, port, metrics_port
         self.index = PrefixIndex()
         self.membership = Membership(self.index, ttl_s=ttl_s, clock=clock)
-        self.placement = Placement(replication_factor)
+        self.placement = PlacementPolicy(replication_factor)
         self.quotas = Quotas(access) if access is not None else None
         self.access, self.tls = access, tls
         dialing = dialing or (tls.dialing(None) if tls is not None else NO_CREDENTIALS)

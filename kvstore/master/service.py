@@ -1,6 +1,6 @@
 """The master's gRPC servicer: a thin adapter from proto messages to the domain.
 
-Domain objects (PrefixIndex, Membership, Placement) know nothing of gRPC; this
+Domain objects (PrefixIndex, Membership, PlacementPolicy) know nothing of gRPC; this
 module converts messages, calls them, and maps their typed errors to status
 codes in one place (``status_for``). Tiers and event kinds pass through as the
 proto's integers (the index uses the same values, asserted below).
@@ -35,12 +35,12 @@ from kvstore.master.membership import (
     TIER_STATS_FIELDS,
     Membership,
     NodeIdInUse,
-    NodeInfo,
+    NodeIdentity,
     TierStats,
     check_node_id,
 )
 from kvstore.master.validation import check_node_info, check_tier_stats, unpack_digests
-from kvstore.master.placement import Candidate, Placement
+from kvstore.master.placement import Candidate, PlacementPolicy
 from kvstore.master.quotas import Quotas
 from kvstore_client.errors import (
     InvalidKey,
@@ -107,11 +107,11 @@ def _rpc(method):
     return wrapper
 
 
-def info_from_pb(msg: pb.NodeInfo) -> NodeInfo:
-    return NodeInfo(**{f: getattr(msg, f) for f in NODE_INFO_FIELDS})
+def info_from_pb(msg: pb.NodeInfo) -> NodeIdentity:
+    return NodeIdentity(**{f: getattr(msg, f) for f in NODE_INFO_FIELDS})
 
 
-def info_to_pb(info: NodeInfo) -> pb.NodeInfo:
+def info_to_pb(info: NodeIdentity) -> pb.NodeInfo:
     return pb.NodeInfo(**{f: getattr(info, f) for f in NODE_INFO_FIELDS})
 
 
@@ -124,9 +124,9 @@ def tiers_to_pb(tiers) -> list[pb.TierStats]:
 
 
 class MasterServicer(pb_grpc.MasterServicer):
-    """Serves the Master service over a PrefixIndex, a Membership and a Placement."""
+    """Serves the Master service over a PrefixIndex, a Membership and a PlacementPolicy."""
 
-    def __init__(self, membership: Membership, placement: Placement, heartbeat_interval_s: float,
+    def __init__(self, membership: Membership, placement: PlacementPolicy, heartbeat_interval_s: float,
                  quotas: Quotas | None = None, drainer: Drainer | None = None):
         self.membership = membership
         self.drainer = drainer  # serves Drain; without one Drain is refused (INVALID_ARGUMENT)

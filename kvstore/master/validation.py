@@ -1,6 +1,6 @@
 """Checks on what a node registers and reports, before the master records any of it.
 
-A node's NodeInfo is handed to every client that locates its blocks, and its
+A node's NodeIdentity (its proto NodeInfo) is handed to every client that locates its blocks, and its
 TierStats drive placement, so malformed values are refused at the gRPC edge
 with InvalidRequest (INVALID_ARGUMENT), never stored and never a traceback.
 """
@@ -11,7 +11,7 @@ import re
 from typing import Iterable
 
 from kvstore.master.errors import InvalidRequest
-from kvstore.master.membership import NodeInfo, TierStats
+from kvstore.master.membership import NodeIdentity, TierStats
 from kvstore_client.keys import MAX_DIGEST_LEN
 
 MAX_TEXT_LEN = 256  # host, machine id, arena name
@@ -43,7 +43,7 @@ def check_text(value: str, what: str) -> str:
     return value
 
 
-def check_node_info(info: NodeInfo) -> NodeInfo:
+def check_node_info(info: NodeIdentity) -> NodeIdentity:
     """InvalidRequest unless every field of ``info`` has a sane shape (node id: checked by Membership)."""
     check_text(info.host, "host")
     check_text(info.machine_id, "machine_id")

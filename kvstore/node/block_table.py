@@ -8,9 +8,12 @@ from typing import NamedTuple
 
 from kvstore.sharded import ShardedDict
 
+# The store's own tier numbers: positions in its per-tier lists (policies, counters), not the proto's
+# values; at its edge a tier is named (STORE_TIER_NAMES[i]) and the master agent maps the name to the
+# proto's value (kvstore_client.tiers.TIER_OF_NAME).
 DRAM = 0
 SSD = 1
-TIER_NAMES = ("dram", "ssd")
+STORE_TIER_NAMES = ("dram", "ssd")
 
 
 class BlockMeta:
@@ -90,7 +93,7 @@ class StoreState:
     def emit(self, event: str, key, tier: int) -> None:
         """Under lock: tell every listener that ``key`` was stored, moved or removed."""
         for listener in self.listeners:
-            listener(event, key, TIER_NAMES[tier])
+            listener(event, key, STORE_TIER_NAMES[tier])
 
     def account(self, key, delta: int) -> None:
         """Under lock: a block of ``key``'s namespace came, went or changed size."""

@@ -34,12 +34,12 @@ from kvstore_client.cluster_address import master_channel
 from kvstore_client.credentials import NO_CREDENTIALS, Credentials
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.tiers import TIER_OF_NAME
 from kvstore.master.credentials import node_metadata
 from kvstore.node.store import BlockStore
 
 log = logging.getLogger(__name__)
 
-_TIERS = {"dram": pb.DRAM, "ssd": pb.SSD}
 _INVENTORY_CHUNK = 50_000  # STORED events a BlockReport
 _PACKED_CHUNK = 200_000  # digests a PackedBlocks message: 3.2 MB at 16 bytes, 12.8 MB at 64
 # A restarted master is found within about _RETRY_S: calls are retried that often, and the
@@ -133,7 +133,7 @@ class MasterAgent:
 
     def _on_event(self, event: str, key, tier: str) -> None:
         kind = pb.BlockEvent.REMOVED if event == "removed" else pb.BlockEvent.STORED
-        self._events.append((key, kind, _TIERS[tier]))
+        self._events.append((key, kind, TIER_OF_NAME[tier]))
 
     # -- the agent thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -247,7 +247,7 @@ def event_reports(node_id: str, inventory: list):
     """A store's inventory as BlockReports of STORED events (to a master that reads no packed blocks)."""
     for start in range(0, max(len(inventory), 1), _INVENTORY_CHUNK):
         chunk = inventory[start : start + _INVENTORY_CHUNK]
-        yield block_report(node_id, [(key, pb.BlockEvent.STORED, _TIERS[tier]) for key, tier in chunk],
+        yield block_report(node_id, [(key, pb.BlockEvent.STORED, TIER_OF_NAME[tier]) for key, tier in chunk],
                            full_inventory=start == 0)
 
 
@@ -257,7 +257,7 @@ def packed_reports(node_id: str, inventory: list):
     groups: dict[tuple, list[bytes]] = collections.defaultdict(list)
     for (namespace, digest), tier in inventory:
         groups[namespace, tier, len(digest)].append(digest)
-    packed = [pb.PackedBlocks(namespace=namespace, tier=_TIERS[tier], digest_len=length,
+    packed = [pb.PackedBlocks(namespace=namespace, tier=TIER_OF_NAME[tier], digest_len=length,
                               digests=b"".join(digests[start:start + _PACKED_CHUNK]))
               for (namespace, tier, length), digests in groups.items()
               for start in range(0, len(digests), _PACKED_CHUNK)]

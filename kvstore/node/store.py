@@ -36,7 +36,7 @@ import xxhash
 from kvstore_client.buffers import byte_view
 from kvstore_client.errors import BufferTooSmall, CapacityError, ChecksumMismatch, InvalidValue, UnknownNamespace
 from kvstore_client.keys import BlockKey, check_key
-from kvstore.node.block_table import DRAM, SSD, TIER_NAMES, BlockInfo, BlockMeta, StoreState
+from kvstore.node.block_table import DRAM, SSD, STORE_TIER_NAMES, BlockInfo, BlockMeta, StoreState
 from kvstore.node.config import StoreConfig
 from kvstore.node.reservation import Reservation, ReservationOwner
 from kvstore.node.tiering import Tiering
@@ -408,7 +408,7 @@ class BlockStore:
             meta = self._table.get(key)
             if meta is None:
                 return None
-            return BlockInfo(TIER_NAMES[meta.tier], meta.size, meta.depth, meta.hits, meta.pins, meta.ssd_copy)
+            return BlockInfo(STORE_TIER_NAMES[meta.tier], meta.size, meta.depth, meta.hits, meta.pins, meta.ssd_copy)
 
     def size_of(self, key: BlockKey) -> int | None:
         meta = self._table.get(self.check_key(key))
@@ -416,7 +416,7 @@ class BlockStore:
 
     def tier_of(self, key: BlockKey) -> str | None:
         meta = self._table.get(self.check_key(key))
-        return None if meta is None else TIER_NAMES[meta.tier]
+        return None if meta is None else STORE_TIER_NAMES[meta.tier]
 
     def keys(self, namespace: str | None = None) -> list[BlockKey]:
         with self._lock:
@@ -432,7 +432,7 @@ class BlockStore:
         queue cleared there holds exactly the events that come after it.
         """
         with self._lock:
-            snapshot = [(key, TIER_NAMES[meta.tier]) for key, meta in self._table.items()]
+            snapshot = [(key, STORE_TIER_NAMES[meta.tier]) for key, meta in self._table.items()]
             if then is not None:
                 then()
             return snapshot

@@ -9,12 +9,12 @@ from kvstore.scheduler.admission import ADMISSIONS, DecodeLoadPredictor, make_ad
 from kvstore.scheduler.clock import Clock, MonotonicClock, SimClock
 from kvstore.scheduler.conductor import Conductor, Decision, DecodeAssignment, Rejected, RejectReason
 from kvstore.scheduler.cost_model import CostModel, CostParams, PolynomialPrefill
-from kvstore.scheduler.policies import PREFILL_POLICIES, Placement, Prefix, make_prefill_policy, select_decode
+from kvstore.scheduler.policies import PREFILL_POLICIES, PrefillChoice, Prefix, make_prefill_policy, select_decode
 from kvstore.scheduler.registry import DecodeInstance, PrefillInstance, Registry
 
 __all__ = [
     "ADMISSIONS", "Clock", "Conductor", "CostModel", "CostParams", "Decision", "DecodeAssignment",
-    "DecodeInstance", "DecodeLoadPredictor", "MonotonicClock", "PREFILL_POLICIES", "Placement",
+    "DecodeInstance", "DecodeLoadPredictor", "MonotonicClock", "PREFILL_POLICIES", "PrefillChoice",
     "PolynomialPrefill", "Prefix", "PrefillInstance", "Registry", "RejectReason", "Rejected", "SimClock",
     "make_admission", "make_prefill_policy", "select_decode",
 ]

@@ -48,7 +48,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.scheduler.admission import DecodeLoadPredictor, make_admission
 from kvstore.scheduler.clock import Clock, MonotonicClock
 from kvstore.scheduler.cost_model import CostModel
-from kvstore.scheduler.policies import Placement, Prefix, decode_fit, make_prefill_policy, select_decode
+from kvstore.scheduler.policies import PrefillChoice, Prefix, decode_fit, make_prefill_policy, select_decode
 from kvstore.scheduler.prefix import PrefixMatcher
 from kvstore.scheduler.registry import Registry
 from kvstore_client.errors import ConfigError
@@ -251,7 +251,7 @@ class Conductor:
             self.predictor.admitted(request_id, tokens, now + placement.ttft_s)
         return self._decision(request_id, placement, pick, digests, input_len)
 
-    def _arrival_check(self, request_id, placement: Placement, pick, tokens: int, now: float) -> Rejected | None:
+    def _arrival_check(self, request_id, placement: PrefillChoice, pick, tokens: int, now: float) -> Rejected | None:
         adm = self.admission
         ttft = placement.ttft_s
         if adm.check_ttft_at_arrival and ttft > self.ttft_slo:
@@ -274,7 +274,7 @@ class Conductor:
                                 f"decode pool load {load:.2f} >= 1")
         return None
 
-    def _decision(self, request_id, placement: Placement, pick, digests: list, input_len: int) -> Decision:
+    def _decision(self, request_id, placement: PrefillChoice, pick, digests: list, input_len: int) -> Decision:
         inst = placement.instance
         fetch = tuple(digests[placement.local_blocks:placement.prefix_blocks]) if placement.fetch_from else ()
         return Decision(

@@ -3,7 +3,7 @@
 Every prefill policy sees the same inputs: the request (input length), the
 prefix each storage node holds (from the master's PrefixIndex), the prefill
 instances with their loads, the cost model and the time. It returns a
-:class:`Placement`. Every policy lets the engine reuse the prefix its own node
+:class:`PrefillChoice`. Every policy lets the engine reuse the prefix its own node
 holds (an engine always loads what is local); they differ in how they pick:
 
 - ``random``: uniformly at random (seeded).
@@ -51,7 +51,7 @@ class Prefix:
 
 
 @dataclass(frozen=True)
-class Placement:
+class PrefillChoice:
     """Where one request's prefill runs and what it reuses."""
 
     instance: PrefillInstance
@@ -82,15 +82,15 @@ class PrefillPolicy:
     name = ""
 
     def choose(self, input_len: int, prefix: Prefix, instances: Sequence[PrefillInstance],
-               cost: CostModel, now: float) -> Placement:
+               cost: CostModel, now: float) -> PrefillChoice:
         raise NotImplementedError
 
     @staticmethod
-    def local(inst: PrefillInstance, input_len: int, prefix: Prefix, cost: CostModel, now: float) -> Placement:
-        """Placement on ``inst`` reusing only what its node holds."""
+    def local(inst: PrefillInstance, input_len: int, prefix: Prefix, cost: CostModel, now: float) -> PrefillChoice:
+        """PrefillChoice on ``inst`` reusing only what its node holds."""
         blocks = prefix.per_node.get(inst.node_id, 0)
         prefill = cost.prefill_time(input_len, cost.cached_tokens(input_len, blocks))
-        return Placement(inst, blocks, blocks, None, inst.queue_time(now), 0.0, prefill)
+        return PrefillChoice(inst, blocks, blocks, None, inst.queue_time(now), 0.0, prefill)
 
 
 class RandomPolicy(PrefillPolicy):
@@ -137,12 +137,12 @@ class KVCacheCentricPolicy(PrefillPolicy):
     def choose(self, input_len, prefix, instances, cost, now):
         best_blocks, best_node = prefix.best_blocks, prefix.best_node
         full_prefill = cost.prefill_time(input_len, cost.cached_tokens(input_len, best_blocks))
-        best: Placement | None = None
+        best: PrefillChoice | None = None
         for inst in instances:
             option = self.local(inst, input_len, prefix, cost, now)
             missing = best_blocks - option.local_blocks
             if missing > self.balancing_threshold:
-                fetched = Placement(inst, option.local_blocks, best_blocks, best_node, option.queue_s,
+                fetched = PrefillChoice(inst, option.local_blocks, best_blocks, best_node, option.queue_s,
                                     cost.transfer_time(missing), full_prefill)
                 if fetched.ttft_s < option.ttft_s:
                     option = fetched
