@@ -1,0 +1,105 @@
+"""What ``kvstore router`` adds to TTFT in ``bench.serve``: the router against the same steps called
+directly.
+
+The direct path does what the router does, minus the router: the prefill engine's
+``/v1/completions`` with ``max_tokens`` 1, not streamed (the router's prefill call), then a wait
+until the master's index lists the prompt's blocks (polled every 10 ms, as the router polls, so
+that the decode engine's lookup finds them), then the decode engine's streamed completion; its TTFT
+runs from the first call to the decode stream's first chunk. What is left to the router: the
+request's hashing, the conductor's ``Schedule`` and the prefill_started / prefill_finished reports,
+the engine records' refresh, and one more HTTP hop each way.
+
+Each pair is two new random prompts of ``--probe-tokens`` (nothing cached anywhere), one per path,
+the path going first alternating pair by pair (one direct call before, not counted: its
+first pool call connects); a round's figure is the p50 over its pairs of
+(router TTFT - direct TTFT); the result is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+
+from bench.serve_client import body_of, percentile, session, stream
+
+PROBE_OUTPUT = 4
+
+
+async def direct(http, prefill_url: str, decode_url: str, prompt: list[int], indexed) -> dict:
+    start = time.perf_counter()
+    job = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+           "stream": False, "n": 1}
+    async with http.post(f"{prefill_url}/v1/completions", json=job) as resp:
+        await resp.read()
+        if resp.status != 200:
+            return {"ok": False, "error": f"prefill HTTP {resp.status}"}
+    deadline = time.monotonic() + 1.0
+    while not await asyncio.to_thread(indexed, prompt) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    waited = time.perf_counter()
+    record = await stream(http, decode_url, body_of(prompt, PROBE_OUTPUT))
+    if record["ttft_s"] is not None:
+        record["ttft_s"] += waited - start
+    return record
+
+
+def index_probe(master: str):
+    """(a function: is every full block of a prompt in the master's index?, the client to close)."""
+    from kvstore.router.server import PoolBackend
+    from kvstore_client import Client
+    from kvstore_client.vllm_hashing import VLLMBlockHasher
+
+    client = Client(master)
+    record = next(r for r in PoolBackend(client).engines() if "prefill" in (r.ids or {}))
+    hasher = VLLMBlockHasher(record.block_size, record.hash_algo, seed=record.hash_seed)
+
+    def indexed(prompt: list[int]) -> bool:
+        keys = [(record.conductor_namespace, h) for h in hasher.hashes(prompt)]
+        return not keys or client.match_prefix(keys).longest >= len(keys)
+
+    return indexed, client
+
+
+async def rounds(router_url: str, prefill_url: str, decode_url: str, indexed, args) -> list[dict]:
+    rng = random.Random(args.seed + 2)
+    out = []
+    async with session() as http:
+        warm = [rng.randrange(3, 1000) for _ in range(args.probe_tokens)]   # the direct path's first calls
+        await direct(http, prefill_url, decode_url, warm, indexed)
+        for _ in range(args.overhead_rounds):
+            diffs, router_ttft, direct_ttft = [], [], []
+            for pair in range(args.overhead_pairs):
+                prompts = [[rng.randrange(3, 1000) for _ in range(args.probe_tokens)] for _ in range(2)]
+                runs = {}
+                order = ("router", "direct") if pair % 2 == 0 else ("direct", "router")
+                for path, prompt in zip(order, prompts):
+                    if path == "router":
+                        runs[path] = await stream(http, router_url, body_of(prompt, PROBE_OUTPUT))
+                    else:
+                        runs[path] = await direct(http, prefill_url, decode_url, prompt, indexed)
+                if all(r.get("ttft_s") is not None for r in runs.values()):
+                    router_ttft.append(runs["router"]["ttft_s"])
+                    direct_ttft.append(runs["direct"]["ttft_s"])
+                    diffs.append(runs["router"]["ttft_s"] - runs["direct"]["ttft_s"])
+            out.append({"pairs": len(diffs), "added_p50_ms": _ms(percentile(diffs, 50)),
+                        "router_ttft_p50_ms": _ms(percentile(router_ttft, 50)),
+                        "direct_ttft_p50_ms": _ms(percentile(direct_ttft, 50))})
+    return out
+
+
+def _ms(value):
+    return None if value is None else round(value * 1000, 2)
+
+
+def router_overhead(router_url: str, prefill_url: str, decode_url: str, master: str, args) -> dict:
+    indexed, client = index_probe(master)
+    try:
+        per_round = asyncio.run(rounds(router_url, prefill_url, decode_url, indexed, args))
+    finally:
+        client.close()
+    added = [r["added_p50_ms"] for r in per_round if r["added_p50_ms"] is not None]
+    return {"probe_tokens": args.probe_tokens, "output_tokens": PROBE_OUTPUT, "rounds": per_round,
+            "added_ttft_p50_ms": round(statistics.median(added), 2) if added else None,
+            "range_ms": [min(added), max(added)] if added else [None, None]}
