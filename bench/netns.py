@@ -137,6 +137,16 @@ class Host:
         reaching it and it them, while its own address still answers inside it."""
         ip("-n", self.network.switch, "link", "set", "dev", self.port, "up" if up else "down")
 
+    def block(self, address: str) -> None:
+        """Cut this host off from ``address`` alone: a ``prohibit`` route inside this host, so
+        what it sends there is refused locally (new connections fail, established ones stall:
+        their packets and replies go nowhere), while every other host still reaches it and it them."""
+        ip("-n", self.netns, "route", "add", "prohibit", f"{address}/32")
+
+    def unblock(self, address: str) -> None:
+        """Undo ``block(address)``."""
+        ip("-n", self.netns, "route", "del", "prohibit", f"{address}/32")
+
     def python(self, env: dict | None = None) -> "Interpreter":
         """A Python process in this host that runs code sent to it (see Interpreter)."""
         return self.network._track(Interpreter(self, env))

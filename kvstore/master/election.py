@@ -122,8 +122,12 @@ class Election:
         return self._leading and self._clock() < self._deadline
 
     def leader(self) -> str | None:
-        """The current leader's address as this master last saw it (None: unknown)."""
-        return self.address if self.is_leader() else self._leader
+        """The current leader's address as this master last saw it (None: unknown). Never this
+        master's own address unless it leads: one deposed (its lease deadline passed, etcd not
+        reachable to say who took over) does not know the leader, and must not name itself."""
+        if self.is_leader():
+            return self.address
+        return self._leader if self._leader != self.address else None
 
     # -- the election thread ---------------------------------------------------------------
     def _run(self) -> None:
