@@ -9,10 +9,10 @@ Per ``/v1/completions`` or ``/v1/chat/completions`` request:
    in the conductor namespace they registered in (their last layer's pool namespace);
 3. ``Schedule`` at the conductor: a rejection is HTTP 429 with ``Retry-After``;
 4. send the request to the chosen prefill engine with ``max_tokens`` 1, not streamed: its
-   connector stores the prompt's KV in the pool; ``report_request`` prefill_started and
-   prefill_finished (which names the decode engine, or rejects: 429 again); wait (at most
-   ``index_wait_s``) until the master's index holds the prompt's blocks, so the decode
-   engine's lookup finds what was just stored;
+   connector stores the prompt's KV in the pool; ``report_request`` prefill_started (sent
+   while the prefill runs) and prefill_finished (which names the decode engine, or rejects:
+   429 again), while waiting (at most ``index_wait_s``) until the master's index holds the
+   prompt's blocks, so the decode engine's lookup finds what was just stored;
 5. send the request as it came to the decode engine, which loads the prefix from the pool and
    generates; its answer (or SSE stream) goes back unchanged, then decode_finished (cancelled
    on any failure).
@@ -59,6 +59,9 @@ CHAT_TOKENIZE_FIELDS = ("messages", "add_generation_prompt", "continue_final_mes
 COMPLETION_TOKENIZE_FIELDS = ("prompt", "add_special_tokens")
 #: fields dropped or set for the prefill call (one token, one sequence, not streamed)
 PREFILL_DROPPED = ("stream_options", "best_of", "min_tokens")
+# vLLM's OpenAI server (uvicorn) closes a keep-alive connection idle for 5 s: a pooled one kept
+# longer may be reused just as the engine closes it, and that reset would read as a dead engine.
+ENGINE_KEEPALIVE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,8 @@ class Router:
 
     # -- plumbing --------------------------------------------------------------------------------
     async def start(self, app=None) -> None:
-        self._session = ClientSession(connector=TCPConnector(limit=0), auto_decompress=False)
+        self._session = ClientSession(connector=TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S),
+                                      auto_decompress=False)
 
     async def stop(self, app=None) -> None:
         if self._session is not None:
@@ -406,9 +410,13 @@ class Router:
         finished = False
         try:
             prefill = by_id.get(where.prefill_engine) or await self._record(where.prefill_engine)
-            await self._report(namespace, request_id, "prefill_started")
-            await self._prefill(prefill, body, path)
-            reply = await self._report(namespace, request_id, "prefill_finished")
+            started = asyncio.ensure_future(self._report(namespace, request_id, "prefill_started"))
+            try:  # the report goes while the prefill runs; it reaches the conductor before prefill_finished
+                await self._prefill(prefill, body, path)
+            finally:
+                await started
+            reply, _ = await asyncio.gather(self._report(namespace, request_id, "prefill_finished"),
+                                            self._wait_indexed(keys))
             if reply is not None and reply.rejected:
                 finished = True   # the conductor ended it
                 raise HTTPFailure(429, f"{reply.reason}: {reply.detail}", "overloaded",
@@ -416,7 +424,6 @@ class Router:
             decode_id = (reply.decode_engine if reply is not None and reply.decode_engine else where.decode_engine)
             headers["x-kvstore-decode-engine"] = decode_id
             decode = by_id.get(decode_id) or await self._record(decode_id)
-            await self._wait_indexed(keys)
             response = await self._decode(request, decode, body, path, headers)
             finished = await self._report(namespace, request_id, "decode_finished") is not None
             self.metrics.count("ok")
