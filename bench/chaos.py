@@ -65,8 +65,17 @@ VALUE_MAGIC = b"CHAOSv1\x00"
 POISON_VERSION = 0xFFFFFFFF  # carried by truncated frames only: never written, so never readable
 PATHS = ("tcp", "unix", "shm")
 SAMPLES = 5  # wrong bytes / tracebacks reported in detail
-OPS = {"put": 20, "batch_put": 8, "get": 20, "get_into": 12, "batch_get": 10, "exists": 8, "remove": 4,
-       "match_prefix": 5, "get_other": 5}
+OPS = {
+    "put": 20,
+    "batch_put": 8,
+    "get": 20,
+    "get_into": 12,
+    "batch_get": 10,
+    "exists": 8,
+    "remove": 4,
+    "match_prefix": 5,
+    "get_other": 5,
+}
 MAX_VALUE = 96 * KiB
 
 
@@ -140,9 +149,16 @@ class Process:
         self.args = args
         started = time.monotonic()
         self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args, "--json"], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli", *args, "--json"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
         ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
@@ -195,15 +211,30 @@ class Cluster:
             self.start_node(i)
 
     def _start_master(self) -> Process:
-        return Process(["master", "--port", str(self.port), "--metrics-port", "-1", "--ttl", "3",
-                        "--replicas", "2"], self.root / "master.log")
+        return Process(
+            ["master", "--port", str(self.port), "--metrics-port", "-1", "--ttl", "3", "--replicas", "2"],
+            self.root / "master.log",
+        )
 
     def data_dir(self, i: int) -> Path:
         return self.root / f"node{i}"
 
     def start_node(self, i: int) -> Process:
-        self.nodes[i] = Process(["node", "--master", self.master_address, "--port", "0", "--metrics-port", "-1",
-                                 "--data-dir", str(self.data_dir(i)), *self.node_args], self.root / f"node{i}.log")
+        self.nodes[i] = Process(
+            [
+                "node",
+                "--master",
+                self.master_address,
+                "--port",
+                "0",
+                "--metrics-port",
+                "-1",
+                "--data-dir",
+                str(self.data_dir(i)),
+                *self.node_args,
+            ],
+            self.root / f"node{i}.log",
+        )
         return self.nodes[i]
 
     def kill_node(self, i: int) -> None:
@@ -262,8 +293,15 @@ class Stats:
             else:
                 self.wrong += 1
                 if len(self.wrong_samples) < SAMPLES:
-                    self.wrong_samples.append({"op": op, "path": path, "key": [key[0], key[1].hex()], "why": why,
-                                               "at_s": round(time.monotonic() - START, 2)})
+                    self.wrong_samples.append(
+                        {
+                            "op": op,
+                            "path": path,
+                            "key": [key[0], key[1].hex()],
+                            "why": why,
+                            "at_s": round(time.monotonic() - START, 2),
+                        }
+                    )
         return version
 
     def error(self, exc: BaseException, op: str, path: str) -> None:
@@ -278,8 +316,14 @@ class Stats:
             else:
                 self.untyped += 1
                 if len(self.untyped_samples) < SAMPLES:
-                    self.untyped_samples.append({"op": op, "path": path, "at_s": round(time.monotonic() - START, 2),
-                                                 "traceback": traceback.format_exc()})
+                    self.untyped_samples.append(
+                        {
+                            "op": op,
+                            "path": path,
+                            "at_s": round(time.monotonic() - START, 2),
+                            "traceback": traceback.format_exc(),
+                        }
+                    )
 
 
 START = time.monotonic()
@@ -289,8 +333,18 @@ START = time.monotonic()
 class Worker(threading.Thread):
     """One client on one data path, writing its own keys and reading everyone's."""
 
-    def __init__(self, index: int, master: str, path: str, keys: int, clients: int, seed: int,
-                 versions: Versions, stats: Stats, control: "Control"):
+    def __init__(
+        self,
+        index: int,
+        master: str,
+        path: str,
+        keys: int,
+        clients: int,
+        seed: int,
+        versions: Versions,
+        stats: Stats,
+        control: "Control",
+    ):
         super().__init__(name=f"chaos-{index}-{path}", daemon=True)
         from kvstore_client import Client
 
@@ -428,8 +482,7 @@ def corrupt_live(ssd_dir: Path, rng: random.Random, records: int) -> list:
                 if parsed is None or len(value) < HEADER.size + VALUE_HEAD.size + 2:
                     continue
                 start = int(np.frombuffer(value, dtype=np.uint8).ctypes.data) - base
-                spot = start + HEADER.size + VALUE_HEAD.size + rng.randrange(len(value) - HEADER.size
-                                                                             - VALUE_HEAD.size)
+                spot = start + HEADER.size + VALUE_HEAD.size + rng.randrange(len(value) - HEADER.size - VALUE_HEAD.size)
                 f.seek(spot)
                 byte = f.read(1)[0]
                 f.seek(spot)
@@ -454,8 +507,10 @@ def corrupt_ssd(ssd_dir: Path, rng: random.Random, records: int) -> list:
     offsets = []
     at = data.find(MAGIC)
     while at >= 0:
-        if at + HEADER.size + VALUE_HEAD.size <= len(data) and \
-                data[at + HEADER.size : at + HEADER.size + 8] == VALUE_MAGIC:
+        if (
+            at + HEADER.size + VALUE_HEAD.size <= len(data)
+            and data[at + HEADER.size : at + HEADER.size + 8] == VALUE_MAGIC
+        ):
             offsets.append(at)
         at = data.find(MAGIC, at + 1)
     rng.shuffle(offsets)
@@ -514,8 +569,13 @@ class Chaos:
         self.index_rebuild_s: list = []
         self.index_keys: list = []
         self.node_kills = self.master_kills = self.truncated = 0
-        self.corruptions: dict = {"events": 0, "records_damaged": 0, "live_records_damaged": 0,
-                                  "offline_records_damaged": 0, "read_back": Counter()}
+        self.corruptions: dict = {
+            "events": 0,
+            "records_damaged": 0,
+            "live_records_damaged": 0,
+            "offline_records_damaged": 0,
+            "read_back": Counter(),
+        }
         self.survival: dict = {}
         self.errors: list = []
 
@@ -523,11 +583,13 @@ class Chaos:
     def schedule(self) -> list:
         seconds = self.args.seconds
         minutes = seconds / 60
-        kinds = (["node_kill"] * max(1 if self.args.node_kills_per_minute > 0 else 0,
-                                     round(self.args.node_kills_per_minute * minutes))
-                 + ["master_kill"] * max(1 if self.args.master_kills_per_minute > 0 else 0,
-                                         round(self.args.master_kills_per_minute * minutes))
-                 + ["corrupt"] * self.args.corruptions)
+        kinds = (
+            ["node_kill"]
+            * max(1 if self.args.node_kills_per_minute > 0 else 0, round(self.args.node_kills_per_minute * minutes))
+            + ["master_kill"]
+            * max(1 if self.args.master_kills_per_minute > 0 else 0, round(self.args.master_kills_per_minute * minutes))
+            + ["corrupt"] * self.args.corruptions
+        )
         self.rng.shuffle(kinds)
         kinds.insert(len(kinds) // 2, "survival")
         # spread over [10%, 85%] of the run, one slot each, jittered inside its slot
@@ -650,8 +712,9 @@ class Chaos:
                         self.corruptions["read_back"][type(exc).__name__] += 1
                         continue
                     version = self.stats.read(key, value, self.versions, "get_corrupted", path)
-                    self.corruptions["read_back"]["miss" if value is None else
-                                                  "verified" if version is not None else "WRONG"] += 1
+                    self.corruptions["read_back"][
+                        "miss" if value is None else "verified" if version is not None else "WRONG"
+                    ] += 1
 
     def _truncated_frame(self) -> None:
         nodes = [n for n in self.cluster.nodes if n.proc.poll() is None]
@@ -660,8 +723,12 @@ class Chaos:
         node = self.rng.choice(nodes)
         key = key_for(self.rng.randrange(self.args.clients), self.rng.randrange(self.args.keys))
         try:
-            truncated_put(node.record["data"], key, self.rng,
-                          unix=node.record.get("unix_socket") if self.rng.random() < 0.5 else None)
+            truncated_put(
+                node.record["data"],
+                key,
+                self.rng,
+                unix=node.record.get("unix_socket") if self.rng.random() < 0.5 else None,
+            )
             self.truncated += 1
         except OSError:
             pass  # the node was just killed
@@ -714,11 +781,17 @@ class Chaos:
                     readable_workload += got is not None
                     stale += got is not None and got < version
             self.survival = {
-                "written": len(acked), "both_copies_acknowledged": two, "both_copies_indexed": indexed,
-                "readable_after_kill": readable, "fraction": round(readable / len(acked), 4),
-                "workload_acknowledged": len(workload), "workload_readable": readable_workload,
+                "written": len(acked),
+                "both_copies_acknowledged": two,
+                "both_copies_indexed": indexed,
+                "readable_after_kill": readable,
+                "fraction": round(readable / len(acked), 4),
+                "workload_acknowledged": len(workload),
+                "workload_readable": readable_workload,
                 "workload_fraction": round(readable_workload / max(1, len(workload)), 4),
-                "workload_stale_versions": stale, "workload_keys_on_more_than_2_nodes": spread}
+                "workload_stale_versions": stale,
+                "workload_keys_on_more_than_2_nodes": spread,
+            }
             self._restart_node(victim)
         finally:
             self.control.pause.clear()
@@ -735,8 +808,20 @@ def run(args) -> dict:
     START = time.monotonic()
     try:
         cluster = Cluster(root)
-        workers = [Worker(i, cluster.master_address, PATHS[i % len(PATHS)], args.keys, args.clients, args.seed,
-                          versions, stats, control) for i in range(args.clients)]
+        workers = [
+            Worker(
+                i,
+                cluster.master_address,
+                PATHS[i % len(PATHS)],
+                args.keys,
+                args.clients,
+                args.seed,
+                versions,
+                stats,
+                control,
+            )
+            for i in range(args.clients)
+        ]
         chaos = Chaos(cluster, args, versions, stats, control, workers)
         START = time.monotonic()
         deadline = START + args.seconds
@@ -773,30 +858,44 @@ def run(args) -> dict:
 
 def report(args, elapsed, stats: Stats, chaos: Chaos | None, stuck: list, interrupted: bool, logs: dict) -> dict:
     out = {
-        "seconds": round(elapsed, 1), "clients": args.clients, "paths": [PATHS[i % len(PATHS)]
-                                                                          for i in range(args.clients)],
-        "seed": args.seed, "interrupted": interrupted, "hang_bound_s": HANG_S,
-        "ops": dict(stats.ops), "ops_total": sum(stats.ops.values()),
-        "verified_reads": stats.verified, "misses": stats.misses,
-        "wrong_bytes": stats.wrong, "wrong_byte_samples": stats.wrong_samples,
+        "seconds": round(elapsed, 1),
+        "clients": args.clients,
+        "paths": [PATHS[i % len(PATHS)] for i in range(args.clients)],
+        "seed": args.seed,
+        "interrupted": interrupted,
+        "hang_bound_s": HANG_S,
+        "ops": dict(stats.ops),
+        "ops_total": sum(stats.ops.values()),
+        "verified_reads": stats.verified,
+        "misses": stats.misses,
+        "wrong_bytes": stats.wrong,
+        "wrong_byte_samples": stats.wrong_samples,
         "typed_errors": dict(stats.typed),
         "typed_errors_by_op": {k: dict(v) for k, v in stats.typed_by_op.items()},
         "typed_error_samples": stats.typed_samples,
-        "untyped_exceptions": stats.untyped, "untyped_samples": stats.untyped_samples,
-        "hangs": stats.hangs + len(stuck), "hang_samples": stats.hang_samples + stuck,
+        "untyped_exceptions": stats.untyped,
+        "untyped_samples": stats.untyped_samples,
+        "hangs": stats.hangs + len(stuck),
+        "hang_samples": stats.hang_samples + stuck,
         "max_op_s": round(stats.max_op_s, 3),
     }
     if chaos is not None:
-        out.update({
-            "node_kills": chaos.node_kills, "master_kills": chaos.master_kills,
-            "truncated_frames": chaos.truncated,
-            "corruptions": {**chaos.corruptions, "read_back": dict(chaos.corruptions["read_back"])},
-            "replica_survival": chaos.survival,
-            "node_restart_s": chaos.node_restart_s, "node_rejoin_s": chaos.node_rejoin_s,
-            "master_restart_s": chaos.master_restart_s, "index_rebuild_s": chaos.index_rebuild_s,
-            "indexed_keys_before_master_kill": chaos.index_keys,
-            "events": chaos.events, "chaos_step_errors": chaos.errors,
-        })
+        out.update(
+            {
+                "node_kills": chaos.node_kills,
+                "master_kills": chaos.master_kills,
+                "truncated_frames": chaos.truncated,
+                "corruptions": {**chaos.corruptions, "read_back": dict(chaos.corruptions["read_back"])},
+                "replica_survival": chaos.survival,
+                "node_restart_s": chaos.node_restart_s,
+                "node_rejoin_s": chaos.node_rejoin_s,
+                "master_restart_s": chaos.master_restart_s,
+                "index_rebuild_s": chaos.index_rebuild_s,
+                "indexed_keys_before_master_kill": chaos.index_keys,
+                "events": chaos.events,
+                "chaos_step_errors": chaos.errors,
+            }
+        )
     if stats.wrong or stats.untyped or out["hangs"] or (chaos and chaos.errors):
         out["process_logs"] = logs
     return out
@@ -804,23 +903,29 @@ def report(args, elapsed, stats: Stats, chaos: Chaos | None, stuck: list, interr
 
 def table(r: dict) -> str:
     surv = r.get("replica_survival") or {}
-    rows = [["ops", f"{r['ops_total']} ({', '.join(f'{k} {v}' for k, v in sorted(r['ops'].items()))})"],
-            ["verified reads / misses", f"{r['verified_reads']} / {r['misses']}"],
-            ["WRONG BYTES", r["wrong_bytes"]],
-            ["typed errors", ", ".join(f"{k} {v}" for k, v in sorted(r["typed_errors"].items())) or "none"],
-            ["untyped exceptions", r["untyped_exceptions"]],
-            [f"hangs (> {r['hang_bound_s']:.0f} s)", f"{r['hangs']} (slowest op {r['max_op_s']} s)"],
-            ["node kills / master kills", f"{r.get('node_kills')} / {r.get('master_kills')}"],
-            ["truncated frames", r.get("truncated_frames")],
-            ["corrupted SSD records (read back)",
-             f"{r.get('corruptions', {}).get('records_damaged')} ({r.get('corruptions', {}).get('read_back')})"],
-            ["replica survival (one node killed)",
-             f"{surv.get('readable_after_kill')}/{surv.get('written')} = {surv.get('fraction')}"
-             f" (both copies acknowledged {surv.get('both_copies_acknowledged')}, indexed "
-             f"{surv.get('both_copies_indexed')}); workload {surv.get('workload_readable')}/"
-             f"{surv.get('workload_acknowledged')}"],
-            ["node restart / rejoin s", f"{r.get('node_restart_s')} / {r.get('node_rejoin_s')}"],
-            ["master restart / index rebuild s", f"{r.get('master_restart_s')} / {r.get('index_rebuild_s')}"]]
+    rows = [
+        ["ops", f"{r['ops_total']} ({', '.join(f'{k} {v}' for k, v in sorted(r['ops'].items()))})"],
+        ["verified reads / misses", f"{r['verified_reads']} / {r['misses']}"],
+        ["WRONG BYTES", r["wrong_bytes"]],
+        ["typed errors", ", ".join(f"{k} {v}" for k, v in sorted(r["typed_errors"].items())) or "none"],
+        ["untyped exceptions", r["untyped_exceptions"]],
+        [f"hangs (> {r['hang_bound_s']:.0f} s)", f"{r['hangs']} (slowest op {r['max_op_s']} s)"],
+        ["node kills / master kills", f"{r.get('node_kills')} / {r.get('master_kills')}"],
+        ["truncated frames", r.get("truncated_frames")],
+        [
+            "corrupted SSD records (read back)",
+            f"{r.get('corruptions', {}).get('records_damaged')} ({r.get('corruptions', {}).get('read_back')})",
+        ],
+        [
+            "replica survival (one node killed)",
+            f"{surv.get('readable_after_kill')}/{surv.get('written')} = {surv.get('fraction')}"
+            f" (both copies acknowledged {surv.get('both_copies_acknowledged')}, indexed "
+            f"{surv.get('both_copies_indexed')}); workload {surv.get('workload_readable')}/"
+            f"{surv.get('workload_acknowledged')}",
+        ],
+        ["node restart / rejoin s", f"{r.get('node_restart_s')} / {r.get('node_rejoin_s')}"],
+        ["master restart / index rebuild s", f"{r.get('master_restart_s')} / {r.get('index_rebuild_s')}"],
+    ]
     text = markdown_table(["what", "figure"], rows)
     if r["interrupted"]:
         text = f"interrupted after {r['seconds']} s\n" + text
@@ -840,8 +945,12 @@ def parse_args(argv=None):
     parser.add_argument("--keys", type=int, default=150, help="keys each client writes")
     parser.add_argument("--node-kills-per-minute", type=float, default=3)
     parser.add_argument("--master-kills-per-minute", type=float, default=1)
-    parser.add_argument("--corruptions", type=int, default=2,
-                        help="SSD corruption events in the run (a serving node's file, then a stopped node's, in turn)")
+    parser.add_argument(
+        "--corruptions",
+        type=int,
+        default=2,
+        help="SSD corruption events in the run (a serving node's file, then a stopped node's, in turn)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     return parser.parse_args(argv)

@@ -48,9 +48,16 @@ class Service:
         self.err_path = Path(err_path)
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         with open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args, "--json"], cwd=ROOT, env=env,
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvstore.cli", *args, "--json"],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                preexec_fn=die_with_parent,
+            )
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait(10)
@@ -79,16 +86,37 @@ class Service:
 
 
 def start_master(workdir: Path, extra: tuple = ()) -> Service:
-    return Service(["master", "--port", "0", "--metrics-port", "-1", "--ttl", "30", *extra],
-                   Path(workdir) / "master.err")
+    return Service(
+        ["master", "--port", "0", "--metrics-port", "-1", "--ttl", "30", *extra], Path(workdir) / "master.err"
+    )
 
 
-def start_node(master: str, workdir: Path, name: str, dram: str, ssd: str, max_block: str,
-               extra: tuple = ()) -> Service:
+def start_node(
+    master: str, workdir: Path, name: str, dram: str, ssd: str, max_block: str, extra: tuple = ()
+) -> Service:
     data = Path(workdir) / name
     data.mkdir(parents=True, exist_ok=True)
-    return Service(["node", "--master", master, "--port", "0", "--metrics-port", "-1", "--data-dir", str(data),
-                    "--dram", dram, "--ssd", ssd, "--max-block", max_block, *extra], Path(workdir) / f"{name}.err")
+    return Service(
+        [
+            "node",
+            "--master",
+            master,
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--data-dir",
+            str(data),
+            "--dram",
+            dram,
+            "--ssd",
+            ssd,
+            "--max-block",
+            max_block,
+            *extra,
+        ],
+        Path(workdir) / f"{name}.err",
+    )
 
 
 def reap_arenas() -> None:
@@ -98,8 +126,13 @@ def reap_arenas() -> None:
     reap_stale_arenas()
 
 
-_STATUS_FIELDS = {"VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "RssShmem": "rss_shmem",
-                  "Threads": "threads"}
+_STATUS_FIELDS = {
+    "VmRSS": "rss",
+    "RssAnon": "rss_anon",
+    "RssFile": "rss_file",
+    "RssShmem": "rss_shmem",
+    "Threads": "threads",
+}
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

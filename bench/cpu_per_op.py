@@ -72,8 +72,10 @@ def measure(kind: str, address: str, server_pid: int, clients: int, size: int, c
     """One run of ``clients`` processes reading from one server: GB/s and CPU microseconds per get."""
     ctx = mp.get_context("fork")
     barrier, results = ctx.Barrier(clients + 1), ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(kind, address, size, count, seconds, barrier, results))
-             for _ in range(clients)]
+    procs = [
+        ctx.Process(target=_client, args=(kind, address, size, count, seconds, barrier, results))
+        for _ in range(clients)
+    ]
     for p in procs:
         p.start()
     barrier.wait()
@@ -86,8 +88,12 @@ def measure(kind: str, address: str, server_pid: int, clients: int, size: int, c
         p.join()
     ops = sum(n for n, _ in done)
     per_op = 1e6 / ops
-    return {"gbps": ops * size / elapsed / 1e9, "server_user_us": (user1 - user0) * per_op,
-            "server_system_us": (sys1 - sys0) * per_op, "clients_us": sum(c for _, c in done) * per_op}
+    return {
+        "gbps": ops * size / elapsed / 1e9,
+        "server_user_us": (user1 - user0) * per_op,
+        "server_system_us": (sys1 - sys0) * per_op,
+        "clients_us": sum(c for _, c in done) * per_op,
+    }
 
 
 def run(clients: int, size: int, count: int, seconds: float, repeats: int, unix_path: str) -> dict:
@@ -123,11 +129,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _table(result: dict) -> str:
-    rows = [[kind, round(r["gbps"], 2), round(r["server_user_us"]), round(r["server_system_us"]),
-             round(r["clients_us"])] for kind, r in ((k, result[k]) for k in ("kvstore", "raw"))]
+    rows = [
+        [kind, round(r["gbps"], 2), round(r["server_user_us"]), round(r["server_system_us"]), round(r["clients_us"])]
+        for kind, r in ((k, result[k]) for k in ("kvstore", "raw"))
+    ]
     head = ["server", "GB/s", "server user µs/get", "server system µs/get", "clients µs/get"]
-    return (f"{result['clients']} clients, {result['size']} gets over TCP (medians)\n\n"
-            + markdown_table(head, rows) + f"\n\nkvstore / raw socket: {result['kvstore_vs_raw']:.2f}")
+    return (
+        f"{result['clients']} clients, {result['size']} gets over TCP (medians)\n\n"
+        + markdown_table(head, rows)
+        + f"\n\nkvstore / raw socket: {result['kvstore_vs_raw']:.2f}"
+    )
 
 
 if __name__ == "__main__":

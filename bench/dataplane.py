@@ -91,12 +91,19 @@ RATIOS = [  # (measure, its baseline): each ratio the median over rounds of the 
 
 
 LABELS = {  # what the table calls each measure
-    "tcp_get": "TCP get_into", "raw_socket": "raw socket",
-    "shm_get": "shm get_into", "memcpy": "memcpy (anonymous)", "shm_memcpy": "memcpy from the arena's tmpfs",
-    "shm_get_noverify": "shm get_into, checksum off", "shm_get_leased": "shm get_into with a LEASE round trip",
-    "shm_get_batch16": "shm get_into_many (16 keys)", "memcpy_16dst": "memcpy into 16 buffers",
-    "shm_put": "shm put", "shm_put_nowait": "shm put, not waited for",
-    "arena_write": "copy into fresh arena space", "arena_write_xxh3": "the same + XXH3 of the source",
+    "tcp_get": "TCP get_into",
+    "raw_socket": "raw socket",
+    "shm_get": "shm get_into",
+    "memcpy": "memcpy (anonymous)",
+    "shm_memcpy": "memcpy from the arena's tmpfs",
+    "shm_get_noverify": "shm get_into, checksum off",
+    "shm_get_leased": "shm get_into with a LEASE round trip",
+    "shm_get_batch16": "shm get_into_many (16 keys)",
+    "memcpy_16dst": "memcpy into 16 buffers",
+    "shm_put": "shm put",
+    "shm_put_nowait": "shm put, not waited for",
+    "arena_write": "copy into fresh arena space",
+    "arena_write_xxh3": "the same + XXH3 of the source",
 }
 
 
@@ -116,10 +123,12 @@ def interleaved(measures: dict, repeats: int) -> dict[str, list[float]]:
 
 def copies(sources, dst: np.ndarray, count: int, size: int):
     """A round of numpy.copyto from each of ``sources`` in turn into ``dst``."""
+
     def run() -> int:
         for i in range(count):
             np.copyto(dst, sources[i])
         return count * size
+
     return run
 
 
@@ -155,6 +164,7 @@ def bench_1mib(size: int, working_set: int, repeats: int, tmp: str) -> dict:
                 for key in keys:
                     conn.get_into(key, dst)
                 return count * size
+
             return run
 
         def shm_batched() -> int:
@@ -177,6 +187,7 @@ def bench_1mib(size: int, working_set: int, repeats: int, tmp: str) -> dict:
                     if checksum:
                         xxhash.xxh3_64_intdigest(cold[i])
                 return count * size
+
             return run
 
         def puts(wait: bool):
@@ -185,6 +196,7 @@ def bench_1mib(size: int, working_set: int, repeats: int, tmp: str) -> dict:
                     shm.put(key, block, wait=wait)
                 shm.flush()
                 return count * size
+
             return run
 
         measures = {
@@ -223,6 +235,7 @@ def bench_batch(size: int, blocks: int, batch: int, repeats: int, tmp: str) -> d
     bufs = [np.empty(size, dtype=np.uint8) for _ in range(batch)]
     with NodeProcess(size, blocks, os.path.join(tmp, "batch.sock")) as node:
         with TcpConnection(node.info["address"]) as conn:
+
             def run() -> int:
                 for i in range(0, blocks, batch):
                     conn.get_into_many(keys[i : i + batch], bufs)
@@ -262,11 +275,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def _table(result: dict) -> str:
     s, b = result["single"], result["tcp_batch_64k"]
-    rows = [[LABELS[num], s[f"{num}_gbps"], LABELS[den], s[f"{den}_gbps"], s[f"{num}_vs_{den}"]]
-            for num, den in RATIOS]
+    rows = [[LABELS[num], s[f"{num}_gbps"], LABELS[den], s[f"{den}_gbps"], s[f"{num}_vs_{den}"]] for num, den in RATIOS]
     text = markdown_table([f"{result['size']} path", "GB/s", "baseline", "GB/s", "ratio"], rows)
-    text += (f"\n\nTCP get_into_many of 64 KiB blocks, batches of {b['batch']}: "
-             f"{b['blocks_per_s']:,} blocks/s ({b['gbps']} GB/s)")
+    text += (
+        f"\n\nTCP get_into_many of 64 KiB blocks, batches of {b['batch']}: "
+        f"{b['blocks_per_s']:,} blocks/s ({b['gbps']} GB/s)"
+    )
     text += "\n\n" + "\n".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in result["targets"].items())
     return text
 

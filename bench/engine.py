@@ -37,10 +37,12 @@ def bench_size(size: int, working_set: int, repeats: int) -> dict:
             np.copyto(dst, cold[i])
         return count * size
 
-    config = StoreConfig(dram_capacity=2 * count * size + (64 << 20), max_block_bytes=size,
-                         prefault=True, background_eviction=False)
+    config = StoreConfig(
+        dram_capacity=2 * count * size + (64 << 20), max_block_bytes=size, prefault=True, background_eviction=False
+    )
     keys = [("bench", i.to_bytes(16, "little")) for i in range(count)]
     with BlockStore(config) as store:
+
         def put_round() -> int:
             for key in keys:
                 store.put(key, src)
@@ -79,8 +81,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _table(result: dict) -> str:
-    rows = [[s, r["put_gbps"], r["get_gbps"], r["memcpy_gbps"], r["put_vs_memcpy"], r["get_vs_memcpy"]]
-            for s, r in result.items()]
+    rows = [
+        [s, r["put_gbps"], r["get_gbps"], r["memcpy_gbps"], r["put_vs_memcpy"], r["get_vs_memcpy"]]
+        for s, r in result.items()
+    ]
     return markdown_table(["size", "put GB/s", "get_into GB/s", "memcpy GB/s", "put/memcpy", "get/memcpy"], rows)
 
 

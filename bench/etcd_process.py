@@ -67,12 +67,31 @@ class EtcdProcess:
         client, peer = self.url, f"http://127.0.0.1:{self.peer_port}"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [self.binary, "--name", "kvstore-test", "--data-dir", str(self.data_dir),
-                 "--listen-client-urls", client, "--advertise-client-urls", client,
-                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                 "--initial-cluster", f"kvstore-test={peer}", "--heartbeat-interval", "50",
-                 "--election-timeout", "500", *(self.tls.flags() if self.tls else [])],
-                stdout=log, stderr=subprocess.STDOUT)
+                [
+                    self.binary,
+                    "--name",
+                    "kvstore-test",
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--listen-client-urls",
+                    client,
+                    "--advertise-client-urls",
+                    client,
+                    "--listen-peer-urls",
+                    peer,
+                    "--initial-advertise-peer-urls",
+                    peer,
+                    "--initial-cluster",
+                    f"kvstore-test={peer}",
+                    "--heartbeat-interval",
+                    "50",
+                    "--election-timeout",
+                    "500",
+                    *(self.tls.flags() if self.tls else []),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:

@@ -49,8 +49,14 @@ class Kvstore:
     def __init__(self, args: list[str], log_path: Path):
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args, "--json"], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli", *args, "--json"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"kvstore {' '.join(args)} did not start; see {log_path}")
@@ -86,8 +92,6 @@ def leader_of(etcd_endpoint: str, prefix: str = "/kvstore") -> str | None:
         etcd.close()
 
 
-
-
 @contextlib.contextmanager
 def run_cluster(root: Path, lease_ttl: int = 2, node_ttl: float = 2.0):
     """etcd, two masters (the first leads), one node: yields (etcd, [masters], node, "etcd://...")."""
@@ -95,9 +99,24 @@ def run_cluster(root: Path, lease_ttl: int = 2, node_ttl: float = 2.0):
     started: list[Kvstore] = []
     with EtcdProcess(root) as etcd:
         try:
+
             def master(i: int) -> Kvstore:
-                m = Kvstore(["master", "--port", "0", "--metrics-port", "-1", "--ttl", str(node_ttl),
-                             "--etcd", etcd.endpoint, "--etcd-lease-ttl", str(lease_ttl)], root / f"master{i}.log")
+                m = Kvstore(
+                    [
+                        "master",
+                        "--port",
+                        "0",
+                        "--metrics-port",
+                        "-1",
+                        "--ttl",
+                        str(node_ttl),
+                        "--etcd",
+                        etcd.endpoint,
+                        "--etcd-lease-ttl",
+                        str(lease_ttl),
+                    ],
+                    root / f"master{i}.log",
+                )
                 started.append(m)
                 return m
 
@@ -105,8 +124,24 @@ def run_cluster(root: Path, lease_ttl: int = 2, node_ttl: float = 2.0):
             wait_until(lambda: leader_of(etcd.endpoint) == first.record["master"], 15)
             second = master(2)
             address = f"etcd://{etcd.endpoint}"
-            node = Kvstore(["node", "--master", address, "--port", "0", "--metrics-port", "-1",
-                            "--data-dir", str(root / "node"), "--dram", "64MiB", "--ssd", "0"], root / "node.log")
+            node = Kvstore(
+                [
+                    "node",
+                    "--master",
+                    address,
+                    "--port",
+                    "0",
+                    "--metrics-port",
+                    "-1",
+                    "--data-dir",
+                    str(root / "node"),
+                    "--dram",
+                    "64MiB",
+                    "--ssd",
+                    "0",
+                ],
+                root / "node.log",
+            )
             started.append(node)
             yield etcd, [first, second], node, address
         finally:
@@ -178,8 +213,13 @@ def one_run(root: Path, lease_ttl: int, count: int) -> dict:
             client.wait_for_puts()
             wrong, missing = wrong_bytes(checker, blocks)
             survivor = next(m for m in masters if m is not leader)
-            return {"put_s": put_at - killed, "index_s": index_at - killed, "wrong_bytes": wrong,
-                    "missing_blocks": missing, "new_leader": leader_of(etcd.endpoint) == survivor.record["master"]}
+            return {
+                "put_s": put_at - killed,
+                "index_s": index_at - killed,
+                "wrong_bytes": wrong,
+                "missing_blocks": missing,
+                "new_leader": leader_of(etcd.endpoint) == survivor.record["master"],
+            }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -199,20 +239,29 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="kvstore-failover-") as tmp:
             runs.append(one_run(Path(tmp), args.lease_ttl, args.blocks))
         if not args.json:
-            print(f"run {i + 1}: put {runs[-1]['put_s']:.2f} s, index {runs[-1]['index_s']:.2f} s, "
-                  f"wrong bytes {runs[-1]['wrong_bytes']}", file=sys.stderr)
-    summary = {"runs": args.runs, "lease_ttl_s": args.lease_ttl, "blocks": args.blocks,
-               **{f"{name}_p50": statistics.median(r[name] for r in runs) for name in ("put_s", "index_s")},
-               **{f"{name}_p99": percentile([r[name] for r in runs], 0.99) for name in ("put_s", "index_s")},
-               "wrong_bytes": sum(r["wrong_bytes"] for r in runs),
-               "missing_blocks": sum(r["missing_blocks"] for r in runs),
-               "all_taken_over": all(r["new_leader"] for r in runs)}
+            print(
+                f"run {i + 1}: put {runs[-1]['put_s']:.2f} s, index {runs[-1]['index_s']:.2f} s, "
+                f"wrong bytes {runs[-1]['wrong_bytes']}",
+                file=sys.stderr,
+            )
+    summary = {
+        "runs": args.runs,
+        "lease_ttl_s": args.lease_ttl,
+        "blocks": args.blocks,
+        **{f"{name}_p50": statistics.median(r[name] for r in runs) for name in ("put_s", "index_s")},
+        **{f"{name}_p99": percentile([r[name] for r in runs], 0.99) for name in ("put_s", "index_s")},
+        "wrong_bytes": sum(r["wrong_bytes"] for r in runs),
+        "missing_blocks": sum(r["missing_blocks"] for r in runs),
+        "all_taken_over": all(r["new_leader"] for r in runs),
+    }
     if args.json:
         print(json.dumps({"summary": summary, "runs": runs}))
     else:
-        print(f"failover (lease TTL {args.lease_ttl} s, {args.runs} runs): first put p50 {summary['put_s_p50']:.2f} s "
-              f"p99 {summary['put_s_p99']:.2f} s; complete index p50 {summary['index_s_p50']:.2f} s "
-              f"p99 {summary['index_s_p99']:.2f} s; wrong bytes {summary['wrong_bytes']}")
+        print(
+            f"failover (lease TTL {args.lease_ttl} s, {args.runs} runs): first put p50 {summary['put_s_p50']:.2f} s "
+            f"p99 {summary['put_s_p99']:.2f} s; complete index p50 {summary['index_s_p50']:.2f} s "
+            f"p99 {summary['index_s_p99']:.2f} s; wrong bytes {summary['wrong_bytes']}"
+        )
 
 
 if __name__ == "__main__":

@@ -120,8 +120,9 @@ class FrameGen:
             if self.rng.random() < 0.5:  # a small key space: puts and gets meet
                 dg = self.rng.randrange(64).to_bytes(16, "little")
             return ns, dg
-        ns = self.rng.choice((b"", b"x" * 128, b"x" * 129, b"x" * 255, b"a\0b", b"\xff\xfe", "\u00e9\u6f22".encode(),
-                              b"fuzz"))
+        ns = self.rng.choice(
+            (b"", b"x" * 128, b"x" * 129, b"x" * 255, b"a\0b", b"\xff\xfe", "\u00e9\u6f22".encode(), b"fuzz")
+        )
         dg = self.rng.randbytes(self.rng.choice((0, 1, 64, 65, 255)))
         return ns, dg
 
@@ -131,7 +132,7 @@ class FrameGen:
         for code in fixed.format.lstrip("<>=!@")[2:]:
             bits = struct.calcsize(code) * 8
             r = self.rng.random()
-            out.append(self.rng.randrange(4096) if r < 0.8 else self.rng.choice((0, 1, 2**bits - 1, 2**(bits - 1))))
+            out.append(self.rng.randrange(4096) if r < 0.8 else self.rng.choice((0, 1, 2**bits - 1, 2 ** (bits - 1))))
         return out
 
     def entry(self, fixed: struct.Struct, ns: bytes, dg: bytes, fields: list[int]) -> bytes:
@@ -164,13 +165,17 @@ class FrameGen:
             ns, dg = self.key()
             size = self.value_size(n)
             if store:
-                entries.append(w.PUT_ENTRY.pack(len(ns), len(dg), self.rng.randrange(8), size,
-                                                self.rng.getrandbits(64)) + ns + dg)
+                entries.append(
+                    w.PUT_ENTRY.pack(len(ns), len(dg), self.rng.randrange(8), size, self.rng.getrandbits(64)) + ns + dg
+                )
                 continue
             payload = self.rng.randbytes(size) if size <= 4096 else bytes(size)
             checksum = w_checksum(payload) if self.rng.random() < 0.8 else self.rng.getrandbits(64)
-            entries.append(w.PUT_ENTRY.pack(len(ns), len(dg), self.rng.randrange(8), size,
-                                            0 if checksums_last else checksum) + ns + dg)
+            entries.append(
+                w.PUT_ENTRY.pack(len(ns), len(dg), self.rng.randrange(8), size, 0 if checksums_last else checksum)
+                + ns
+                + dg
+            )
             payloads.append(payload)
             trailer.append(w.U64.pack(checksum))
         body = b"".join(entries) + b"".join(payloads) + (b"".join(trailer) if checksums_last else b"")
@@ -230,9 +235,26 @@ class FrameGen:
         frame = bytearray(self.frame(benign=rng.random() < 0.5))
         head = w.HEADER
         magic, version, op, status, flags, rid, count, body_len = head.unpack_from(frame)
-        kind = rng.choice(("magic", "version", "op", "count", "count_off", "body_len_huge", "body_len_short",
-                           "body_len_long", "truncated", "table_lies", "table_too_large", "flags", "status",
-                           "garbage", "bitflip", "short_header"))
+        kind = rng.choice(
+            (
+                "magic",
+                "version",
+                "op",
+                "count",
+                "count_off",
+                "body_len_huge",
+                "body_len_short",
+                "body_len_long",
+                "truncated",
+                "table_lies",
+                "table_too_large",
+                "flags",
+                "status",
+                "garbage",
+                "bitflip",
+                "short_header",
+            )
+        )
         if kind == "magic":
             magic = rng.choice((b"VK", b"\0\0", b"kv", rng.randbytes(2)))
         elif kind == "version":
@@ -442,12 +464,14 @@ def _status_name(status: int) -> str:
         return str(status)
 
 
-def sender(index: int, seed: int, targets: list, pull_sources: list, quota: int, deadline: float,
-           stop, out) -> None:
+def sender(index: int, seed: int, targets: list, pull_sources: list, quota: int, deadline: float, stop, out) -> None:
     """One fuzzing process: batches until ``quota`` frames, ``deadline`` or ``stop``."""
     rng = random.Random(seed * 1000 + index)
-    gens = {(kind, auth): FrameGen(rng, kind == "unix", auth, pull_sources)
-            for kind in ("tcp", "unix") for auth in (False, True)}
+    gens = {
+        (kind, auth): FrameGen(rng, kind == "unix", auth, pull_sources)
+        for kind in ("tcp", "unix")
+        for auth in (False, True)
+    }
     stats = collections.Counter()
     replies = collections.Counter()
     frames = 0
@@ -489,8 +513,15 @@ def sender(index: int, seed: int, targets: list, pull_sources: list, quota: int,
         for gen in gens.values():
             sent.update(gen.sent)
             mutations.update(gen.mutations)
-        out.put({"frames": frames, "stats": dict(stats), "sent": dict(sent), "mutations": dict(mutations),
-                 "replies": dict(replies)})
+        out.put(
+            {
+                "frames": frames,
+                "stats": dict(stats),
+                "sent": dict(sent),
+                "mutations": dict(mutations),
+                "replies": dict(replies),
+            }
+        )
 
 
 # -- gRPC ------------------------------------------------------------------------------------
@@ -498,12 +529,27 @@ def grpc_methods() -> list[tuple[str, object]]:
     """(path, input message descriptor) of every method of every service in the proto."""
     from kvstore_client.proto import kvstore_pb2 as pb
 
-    return [(f"/{service.full_name}/{method.name}", method.input_type)
-            for service in pb.DESCRIPTOR.services_by_name.values() for method in service.methods]
+    return [
+        (f"/{service.full_name}/{method.name}", method.input_type)
+        for service in pb.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    ]
 
 
-_STRINGS = ("", "a", "fuzz", "127.0.0.1:1", "x" * 129, "x" * 5000, "a\0b", "\u00e9\u6f22\U0001f600", "../..",
-            "node-1", "-1", "NaN")
+_STRINGS = (
+    "",
+    "a",
+    "fuzz",
+    "127.0.0.1:1",
+    "x" * 129,
+    "x" * 5000,
+    "a\0b",
+    "\u00e9\u6f22\U0001f600",
+    "../..",
+    "node-1",
+    "-1",
+    "NaN",
+)
 
 
 def _scalar(field, rng: random.Random):
@@ -524,8 +570,8 @@ def _scalar(field, rng: random.Random):
         return rng.choice([v.number for v in field.enum_type.values] + [99, -1])
     bits = 64 if t in (F.TYPE_INT64, F.TYPE_SINT64, F.TYPE_SFIXED64, F.TYPE_UINT64, F.TYPE_FIXED64) else 32
     if t in (F.TYPE_UINT64, F.TYPE_FIXED64, F.TYPE_UINT32, F.TYPE_FIXED32):
-        return rng.choice((0, 1, 2, 16, 1000, 2**bits - 1, 2**(bits - 1), rng.randrange(2**bits)))
-    return rng.choice((0, 1, -1, 2, 1000, 2**(bits - 1) - 1, -2**(bits - 1), rng.randrange(-1000, 1000)))
+        return rng.choice((0, 1, 2, 16, 1000, 2**bits - 1, 2 ** (bits - 1), rng.randrange(2**bits)))
+    return rng.choice((0, 1, -1, 2, 1000, 2 ** (bits - 1) - 1, -(2 ** (bits - 1)), rng.randrange(-1000, 1000)))
 
 
 def _repeated(field) -> bool:
@@ -579,12 +625,12 @@ def _mutate(data: bytes, rng: random.Random) -> bytes:
     for _ in range(rng.randint(1, 4)):
         r = rng.random()
         if not data or r < 0.25:
-            data[rng.randrange(len(data) + 1) if data else 0:0] = rng.randbytes(rng.randint(1, 16))
+            data[rng.randrange(len(data) + 1) if data else 0 : 0] = rng.randbytes(rng.randint(1, 16))
         elif r < 0.5:
             i = rng.randrange(len(data))
             data[i] ^= 1 << rng.randrange(8)
         elif r < 0.75:
-            del data[rng.randrange(len(data)):]
+            del data[rng.randrange(len(data)) :]
         else:
             i = rng.randrange(len(data))
             data[i] = rng.choice((0, 0x7F, 0x80, 0xFF))
@@ -596,8 +642,9 @@ def grpc_fuzzer(master: str, seed: int, deadline: float, stop, out, in_flight: i
     import grpc
 
     rng = random.Random(seed * 7919 + 17)
-    channel = grpc.insecure_channel(master, options=[("grpc.max_send_message_length", 16 * MiB),
-                                                     ("grpc.max_receive_message_length", 64 * MiB)])
+    channel = grpc.insecure_channel(
+        master, options=[("grpc.max_send_message_length", 16 * MiB), ("grpc.max_receive_message_length", 64 * MiB)]
+    )
     methods = grpc_methods()
     calls = {path: channel.unary_unary(path) for path, _ in methods}  # raw bytes both ways
     codes: dict[str, collections.Counter] = {path: collections.Counter() for path, _ in methods}
@@ -642,16 +689,20 @@ class GoodClient:
     """Puts random values and reads them back on its own connections, all the time."""
 
     def __init__(self, plain, auth, master: str, seed: int):
-        self.targets = [("tcp", plain.record["data"], False), ("unix", plain.record["unix_socket"], False),
-                        ("tcp", auth.record["data"], True)]
+        self.targets = [
+            ("tcp", plain.record["data"], False),
+            ("unix", plain.record["unix_socket"], False),
+            ("tcp", auth.record["data"], True),
+        ]
         self.master = master
         self.rng = random.Random(seed)
         self.ops = collections.Counter()
         self.failures = 0
         self.errors: list[str] = []
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(t, i), daemon=True)
-                         for i, t in enumerate(self.targets)]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(t, i), daemon=True) for i, t in enumerate(self.targets)
+        ]
         self._threads.append(threading.Thread(target=self._master_loop, daemon=True))
 
     def _fail(self, what: str) -> None:
@@ -768,9 +819,14 @@ class Sampler:
         if not series:
             return {"crashed": self.crashed[name]}
         start, end = series[0], series[-1]
-        return {"crashed": self.crashed[name], "start": start, "end": end,
-                "peak": {k: max(s[k] for s in series) for k in start if k != "t"},
-                "rss_anon_growth": end["rss_anon"] - start["rss_anon"], "fd_growth": end["fds"] - start["fds"]}
+        return {
+            "crashed": self.crashed[name],
+            "start": start,
+            "end": end,
+            "peak": {k: max(s[k] for s in series) for k in start if k != "t"},
+            "rss_anon_growth": end["rss_anon"] - start["rss_anon"],
+            "fd_growth": end["fds"] - start["fds"],
+        }
 
 
 def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path) -> dict:
@@ -780,12 +836,17 @@ def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path) -> 
     services = {"master": master}
     try:
         services["node"] = start_node(address, workdir, "node", NODE_DRAM, NODE_SSD, NODE_MAX_BLOCK)
-        services["node_auth"] = start_node(address, workdir, "node_auth", NODE_DRAM, NODE_SSD, NODE_MAX_BLOCK,
-                                           ("--auth", str(access)))
+        services["node_auth"] = start_node(
+            address, workdir, "node_auth", NODE_DRAM, NODE_SSD, NODE_MAX_BLOCK, ("--auth", str(access))
+        )
         plain, auth = services["node"], services["node_auth"]
-        targets = [("tcp", plain.record["data"], False), ("unix", plain.record["unix_socket"], False),
-                   ("unix", plain.record["unix_socket"], False), ("tcp", auth.record["data"], True),
-                   ("unix", auth.record["unix_socket"], True)]
+        targets = [
+            ("tcp", plain.record["data"], False),
+            ("unix", plain.record["unix_socket"], False),
+            ("unix", plain.record["unix_socket"], False),
+            ("tcp", auth.record["data"], True),
+            ("unix", auth.record["unix_socket"], True),
+        ]
         pull_sources = [plain.record["data"], auth.record["data"]]
         good = GoodClient(plain, auth, address, seed)
         good.start()
@@ -796,8 +857,14 @@ def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path) -> 
         stop, out = ctx.Event(), ctx.Queue()
         started = time.time()
         deadline = started + seconds
-        procs = [ctx.Process(target=sender, args=(i, seed, targets, pull_sources, -(-frames // senders), deadline,
-                                                  stop, out), daemon=True) for i in range(senders)]
+        procs = [
+            ctx.Process(
+                target=sender,
+                args=(i, seed, targets, pull_sources, -(-frames // senders), deadline, stop, out),
+                daemon=True,
+            )
+            for i in range(senders)
+        ]
         procs.append(ctx.Process(target=grpc_fuzzer, args=(address, seed, deadline, stop, out), daemon=True))
         for p in procs:
             p.start()
@@ -852,8 +919,10 @@ def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path) -> 
         processes[name]["exit_status"] = service.proc.returncode
     tracebacks = sum(p["tracebacks"] for p in processes.values())
     crashes = sum(1 for p in processes.values() if p["crashed"])
-    bounded = all(not p["crashed"] and p.get("rss_anon_growth", 0) < RSS_BOUND and p.get("fd_growth", 0) <= FD_BOUND
-                  for p in processes.values())
+    bounded = all(
+        not p["crashed"] and p.get("rss_anon_growth", 0) < RSS_BOUND and p.get("fd_growth", 0) <= FD_BOUND
+        for p in processes.values()
+    )
     result = {
         "frames_sent": frames_sent,
         "seconds": round(elapsed, 1),
@@ -885,8 +954,14 @@ def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path) -> 
         "bounded": bounded,
         "seed": seed,
     }
-    result["ok"] = (crashes == 0 and tracebacks == 0 and good.failures == 0 and bounded
-                    and stats["stalls"] == 0 and not result["ops_missing"])
+    result["ok"] = (
+        crashes == 0
+        and tracebacks == 0
+        and good.failures == 0
+        and bounded
+        and stats["stalls"] == 0
+        and not result["ops_missing"]
+    )
     return result
 
 
@@ -895,24 +970,29 @@ def _mib(n: int) -> str:
 
 
 def table(r: dict) -> str:
-    lines = [f"frames sent {r['frames_sent']} in {r['seconds']} s ({r['frames_per_s']}/s), "
-             f"{r['connections']} connections, {r['replies']} replies, resets {r['connection_resets']}, "
-             f"stalls {r['stalled_connections']}",
-             f"ops covered {r['ops_covered']}; frames by op {r['frames_by_op']}",
-             f"hostile frames {sum(r['hostile_frames'].values())} {r['hostile_frames']}",
-             f"gRPC calls {r['grpc_calls']} ({r['grpc_calls_per_s']}/s), methods {r['grpc_methods_covered']}",
-             f"good client ops {r['good_client_ops']}, failures {r['good_client_failures']} {r['good_client_errors']}",
-             f"crashes {r['crashes']} (nodes {r['node_crashes']}), tracebacks {r['tracebacks']}", "",
-             "| process | RSS start / peak / end MiB | anon start / end MiB | fds start / peak / end | threads peak | CPU s |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"frames sent {r['frames_sent']} in {r['seconds']} s ({r['frames_per_s']}/s), "
+        f"{r['connections']} connections, {r['replies']} replies, resets {r['connection_resets']}, "
+        f"stalls {r['stalled_connections']}",
+        f"ops covered {r['ops_covered']}; frames by op {r['frames_by_op']}",
+        f"hostile frames {sum(r['hostile_frames'].values())} {r['hostile_frames']}",
+        f"gRPC calls {r['grpc_calls']} ({r['grpc_calls_per_s']}/s), methods {r['grpc_methods_covered']}",
+        f"good client ops {r['good_client_ops']}, failures {r['good_client_failures']} {r['good_client_errors']}",
+        f"crashes {r['crashes']} (nodes {r['node_crashes']}), tracebacks {r['tracebacks']}",
+        "",
+        "| process | RSS start / peak / end MiB | anon start / end MiB | fds start / peak / end | threads peak | CPU s |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, p in r["processes"].items():
         if "start" not in p:
             lines.append(f"| {name} | (no samples; crashed {p['crashed']}) | | | | |")
             continue
         s, k, e = p["start"], p["peak"], p["end"]
-        lines.append(f"| {name} | {_mib(s['rss'])} / {_mib(k['rss'])} / {_mib(e['rss'])} | "
-                     f"{_mib(s['rss_anon'])} / {_mib(e['rss_anon'])} | {s['fds']} / {k['fds']} / {e['fds']} | "
-                     f"{k['threads']} | {e['cpu_s'] - s['cpu_s']:.0f} |")
+        lines.append(
+            f"| {name} | {_mib(s['rss'])} / {_mib(k['rss'])} / {_mib(e['rss'])} | "
+            f"{_mib(s['rss_anon'])} / {_mib(e['rss_anon'])} | {s['fds']} / {k['fds']} / {e['fds']} | "
+            f"{k['threads']} | {e['cpu_s'] - s['cpu_s']:.0f} |"
+        )
     lines.append("")
     lines.append("ok" if r["ok"] else "NOT OK")
     return "\n".join(lines)
@@ -932,7 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("master", "node", "node_auth"):
                 text = (Path(workdir) / f"{name}.err").read_text(errors="replace")
                 if "Traceback" in text:
-                    result.setdefault("traceback_excerpts", {})[name] = text[text.index("Traceback"):][:3000]
+                    result.setdefault("traceback_excerpts", {})[name] = text[text.index("Traceback") :][:3000]
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")

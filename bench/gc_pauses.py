@@ -36,9 +36,17 @@ def measure(mode: str, blocks: int, puts: int) -> dict:
     from kvstore.node.config import StoreConfig
     from kvstore.node.store import BlockStore
 
-    store = BlockStore(StoreConfig(dram_capacity=blocks * GRANULE, max_block_bytes=GRANULE, policy="lru",
-                                   background_eviction=False, high_watermark=1.0, low_watermark=1.0,
-                                   directory_slots=0))
+    store = BlockStore(
+        StoreConfig(
+            dram_capacity=blocks * GRANULE,
+            max_block_bytes=GRANULE,
+            policy="lru",
+            background_eviction=False,
+            high_watermark=1.0,
+            low_watermark=1.0,
+            directory_slots=0,
+        )
+    )
     if mode == "frozen":
         install()
     phases = {"fill": (0, blocks), "churn": (blocks, blocks + puts)}
@@ -62,11 +70,13 @@ def measure(mode: str, blocks: int, puts: int) -> dict:
             store.put(("gc", i.to_bytes(16, "little")), VALUE)
             latencies.append(clock() - start)
         latencies.sort()
-        result[name] = {"full_collections": len(pauses),
-                        "longest_collection_ms": round(1e3 * max(pauses, default=0.0), 2),
-                        "total_collection_ms": round(1e3 * sum(pauses), 2),
-                        "longest_put_ms": round(1e3 * latencies[-1], 3),
-                        "p999_put_ms": round(1e3 * latencies[int(0.999 * (len(latencies) - 1))], 3)}
+        result[name] = {
+            "full_collections": len(pauses),
+            "longest_collection_ms": round(1e3 * max(pauses, default=0.0), 2),
+            "total_collection_ms": round(1e3 * sum(pauses), 2),
+            "longest_put_ms": round(1e3 * latencies[-1], 3),
+            "p999_put_ms": round(1e3 * latencies[int(0.999 * (len(latencies) - 1))], 3),
+        }
     gc.callbacks.remove(timer)
     assert len(store) <= blocks
     store.close()
@@ -74,8 +84,12 @@ def measure(mode: str, blocks: int, puts: int) -> dict:
 
 
 def run_fresh(mode: str, blocks: int, puts: int) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.gc_pauses", "--worker", mode, "--blocks", str(blocks),
-                          "--puts", str(puts)], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.gc_pauses", "--worker", mode, "--blocks", str(blocks), "--puts", str(puts)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return json.loads(out)
 
 
@@ -94,13 +108,22 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.runs):
         for mode in runs:
             runs[mode].append(run_fresh(mode, args.blocks, args.puts))
-    result = {"blocks": args.blocks, "puts": args.puts, "runs": args.runs, "modes": {
-        mode: {phase: {k: statistics.median(r[phase][k] for r in rs) for k in rs[0][phase]} for phase in rs[0]}
-        for mode, rs in runs.items()}}
+    result = {
+        "blocks": args.blocks,
+        "puts": args.puts,
+        "runs": args.runs,
+        "modes": {
+            mode: {phase: {k: statistics.median(r[phase][k] for r in rs) for k in rs[0][phase]} for phase in rs[0]}
+            for mode, rs in runs.items()
+        },
+    }
     keys = ("full_collections", "longest_collection_ms", "total_collection_ms", "longest_put_ms", "p999_put_ms")
     header = ["phase", "mode", "full collections", "longest (ms)", "all (ms)", "longest put (ms)", "p99.9 put (ms)"]
-    rows = [[phase, mode, *(m[phase][k] for k in keys)] for phase in ("fill", "churn")
-            for mode, m in result["modes"].items()]
+    rows = [
+        [phase, mode, *(m[phase][k] for k in keys)]
+        for phase in ("fill", "churn")
+        for mode, m in result["modes"].items()
+    ]
     emit(result, args.json, lambda _: markdown_table(header, rows))
 
 

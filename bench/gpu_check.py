@@ -57,9 +57,26 @@ def start_pool(tmp: Path, dram: str):
     from bench.cluster import Service
 
     master = Service(["master", "--port", "0", "--metrics-port", "0", "--ttl", "30"], tmp / "master.err")
-    node = Service(["node", "--master", master.record["master"], "--port", "0", "--metrics-port", "0",
-                    "--data-dir", str(tmp / "node"), "--dram", dram, "--ssd", "0", "--max-block", "64MiB"],
-                   tmp / "node.err")
+    node = Service(
+        [
+            "node",
+            "--master",
+            master.record["master"],
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--data-dir",
+            str(tmp / "node"),
+            "--dram",
+            dram,
+            "--ssd",
+            "0",
+            "--max-block",
+            "64MiB",
+        ],
+        tmp / "node.err",
+    )
     return master, node
 
 
@@ -142,9 +159,13 @@ def op_checks(client, torch, device, path: str, dtype_name: str) -> list[dict]:
             pass
         return True, ""
 
-    for name, fn in (("put+get_into", put_get_into), ("batch_put+batch_get_into", batch),
-                     ("store_prefix+load_prefix", prefix), ("device put, get as bytes, get_into", device_to_bytes_and_back),
-                     ("typed errors", errors)):
+    for name, fn in (
+        ("put+get_into", put_get_into),
+        ("batch_put+batch_get_into", batch),
+        ("store_prefix+load_prefix", prefix),
+        ("device put, get as bytes, get_into", device_to_bytes_and_back),
+        ("typed errors", errors),
+    ):
         check(name, fn)
     return results
 
@@ -160,18 +181,31 @@ def layerwise_checks(client, torch, device, path: str) -> list[dict]:
     results = []
     for name in ("LBNHC", "LHBNC"):
         fmt = layout_format(name, heads, tokens, head, "torch.bfloat16")
-        naming = PoolNaming("gpucheck", KVLayout(model=f"check-{path}-{name}", revision="", kv_dtype="bf16",
-                                                 block_size=tokens, num_kv_heads=heads, head_size=head,
-                                                 num_layers=layers, tp_size=1, device="cuda", hash_algo="sha256",
-                                                 block_format=fmt.name()))
+        naming = PoolNaming(
+            "gpucheck",
+            KVLayout(
+                model=f"check-{path}-{name}",
+                revision="",
+                kv_dtype="bf16",
+                block_size=tokens,
+                num_kv_heads=heads,
+                head_size=head,
+                num_layers=layers,
+                tp_size=1,
+                device="cuda",
+                hash_algo="sha256",
+                block_format=fmt.name(),
+            ),
+        )
 
         def caches(fill):
             shape = (layers, blocks, heads, tokens, 2 * head)
             raw = fill(int(torch.tensor(shape).prod()), dtype=torch.bfloat16, device=device)
             full = torch.as_strided(raw, shape, permuted_strides(shape, KV_CACHE_LAYOUTS[name]))
             views = [full[i] for i in range(layers)]
-            return views, [describe("vllm", v.shape, v.stride(), v.element_size(), "torch.bfloat16", head)
-                           for v in views]
+            return views, [
+                describe("vllm", v.shape, v.stride(), v.element_size(), "torch.bfloat16", head) for v in views
+            ]
 
         try:
             src, layouts = caches(torch.randn)
@@ -187,8 +221,9 @@ def layerwise_checks(client, torch, device, path: str) -> list[dict]:
                 loader.wait_layer(layer)
             failed = loader.take_load_failures()
             torch.cuda.synchronize() if device.type != "cpu" else None
-            ok = not failed and all(torch.equal(src[i][s], dst[i][d]) for i in range(layers)
-                                    for s, d in ((1, 0), (3, 2), (5, 4)))
+            ok = not failed and all(
+                torch.equal(src[i][s], dst[i][d]) for i in range(layers) for s, d in ((1, 0), (3, 2), (5, 4))
+            )
             detail = f"failed blocks {sorted(failed)}" if failed else ""
             saver.close()
             loader.close()
@@ -225,8 +260,7 @@ def rate_row(clients: dict, torch, device, size: int, repeats: int) -> dict:
     for path, client in clients.items():
         key = make_key("gpucheck-rate", f"{path}-{size}".encode())
         row[f"{path}_put_gbps"] = round(gb / timed(lambda c=client, k=key: c.put(k, src), repeats, sync), 3)
-        row[f"{path}_get_into_gbps"] = round(gb / timed(lambda c=client, k=key: c.get_into(k, out), repeats, sync),
-                                             3)
+        row[f"{path}_get_into_gbps"] = round(gb / timed(lambda c=client, k=key: c.get_into(k, out), repeats, sync), 3)
         row[f"{path}_round_trip_ok"] = bool(torch.equal(src, out))
     pageable = torch.empty(size, dtype=torch.uint8)
     pinned = torch.empty(size, dtype=torch.uint8, pin_memory=device.type != "cpu")
@@ -244,8 +278,12 @@ def run(args) -> dict:
 
     started = time.perf_counter()
     device = torch.device("cuda:0") if args.device == "cuda" else torch.device("cpu")
-    result = {"gpu": args.device == "cuda", "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-              "torch": torch.__version__, "cuda": torch.version.cuda}
+    result = {
+        "gpu": args.device == "cuda",
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         master, node = start_pool(Path(tmp), args.dram)
@@ -270,9 +308,12 @@ def run(args) -> dict:
         finally:
             node.close()
             master.close()
-    result.update(checks=checks, rates=rows, ok=all(c["ok"] for c in checks)
-                  and all(r[f"{p}_round_trip_ok"] for r in rows for p in PATHS),
-                  seconds=round(time.perf_counter() - started, 1))
+    result.update(
+        checks=checks,
+        rates=rows,
+        ok=all(c["ok"] for c in checks) and all(r[f"{p}_round_trip_ok"] for r in rows for p in PATHS),
+        seconds=round(time.perf_counter() - started, 1),
+    )
     return result
 
 
@@ -290,8 +331,12 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cuda (default), or cpu: the same checks on CPU tensors")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (default), or cpu: the same checks on CPU tensors",
+    )
     parser.add_argument("--sizes", default="1,4,16,64", help="MiB per block for the rates (default 1,4,16,64)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure; the median is reported")
     parser.add_argument("--dram", default="2GiB", help="the node's DRAM tier")

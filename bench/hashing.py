@@ -1,6 +1,6 @@
 """Chained block hashing throughput in tokens per second.
 
-    python -m bench.hashing --json
+python -m bench.hashing --json
 """
 
 from __future__ import annotations

@@ -42,9 +42,16 @@ def replay(requests: list[dict], policy: str, capacity: int | None, block_bytes:
     """Replay ``requests`` through a BlockStore; ``capacity`` in blocks, None for unbounded."""
     distinct = len({h for r in requests for h in r["hash_ids"]})
     blocks = distinct if capacity is None else capacity
-    config = StoreConfig(dram_capacity=max(blocks, 1) * block_bytes, max_block_bytes=block_bytes, policy=policy,
-                         background_eviction=False, high_watermark=1.0, low_watermark=1.0,
-                         granule=block_bytes, eviction_batch=1)
+    config = StoreConfig(
+        dram_capacity=max(blocks, 1) * block_bytes,
+        max_block_bytes=block_bytes,
+        policy=policy,
+        background_eviction=False,
+        high_watermark=1.0,
+        low_watermark=1.0,
+        granule=block_bytes,
+        eviction_batch=1,
+    )
     value = bytes(block_bytes)
     buf = bytearray(block_bytes)
     hit = total = 0

@@ -43,8 +43,9 @@ def free_port() -> int:
 
 
 def start_master(workdir: Path, port: int, ttl: float, run: int) -> Service:
-    return Service(["master", "--port", str(port), "--metrics-port", "-1", "--ttl", str(ttl)],
-                   workdir / f"master-{run}.err")
+    return Service(
+        ["master", "--port", str(port), "--metrics-port", "-1", "--ttl", str(ttl)], workdir / f"master-{run}.err"
+    )
 
 
 def load(master: str, blocks: int, value_bytes: int) -> list[bytes]:
@@ -56,7 +57,7 @@ def load(master: str, blocks: int, value_bytes: int) -> list[bytes]:
     value = bytes(value_bytes)
     with Client(master) as client:
         for start in range(0, blocks, 1000):
-            chunk = digests[start:start + 1000]
+            chunk = digests[start : start + 1000]
             client.batch_put([(NAMESPACE, d) for d in chunk], [value] * len(chunk))
     return digests
 
@@ -81,7 +82,7 @@ def missing(master: str, digests: list[bytes], sample: int = 20_000) -> int:
         stub = pb_grpc.MasterStub(channel)
         gone = 0
         for start in range(0, len(picked), 5000):
-            reply = stub.Locate(pb.KeyBatch(namespace=NAMESPACE, digests=picked[start:start + 5000]), timeout=30)
+            reply = stub.Locate(pb.KeyBatch(namespace=NAMESPACE, digests=picked[start : start + 5000]), timeout=30)
             gone += sum(1 for location in reply.locations if not location.replicas)
     return gone
 
@@ -113,9 +114,14 @@ def one_restart(workdir: Path, port: int, ttl: float, run: int, total: int, node
             time.sleep(0.02)
     complete = curve[-1][0] if curve and curve[-1][1] >= total else None
     reached = {f: next((t for t, k in curve if k >= f * total), None) for f in FRACTIONS}
-    return master, {"serving_s": round(serving, 3), "first_node_s": first_node and round(first_node, 3),
-                    "all_nodes_s": all_nodes and round(all_nodes, 3), "complete_s": complete,
-                    "reached_s": {str(f): t for f, t in reached.items()}, "curve": curve}
+    return master, {
+        "serving_s": round(serving, 3),
+        "first_node_s": first_node and round(first_node, 3),
+        "all_nodes_s": all_nodes and round(all_nodes, 3),
+        "complete_s": complete,
+        "reached_s": {str(f): t for f, t in reached.items()},
+        "curve": curve,
+    }
 
 
 def run(blocks: int, nodes: int, runs: int, ttl: float, value_bytes: int, workdir: Path) -> dict:
@@ -124,8 +130,9 @@ def run(blocks: int, nodes: int, runs: int, ttl: float, value_bytes: int, workdi
     address = f"127.0.0.1:{port}"
     # Small blocks sit in whole allocator pages; size DRAM for them (4 KiB each) plus slack.
     dram = f"{max(64, (blocks // nodes) * 4096 // (1 << 20) * 5 // 4)}MiB"
-    started = [start_node(address, workdir, f"node{i}", dram=dram, ssd="64MiB", max_block="64KiB")
-               for i in range(nodes)]
+    started = [
+        start_node(address, workdir, f"node{i}", dram=dram, ssd="64MiB", max_block="64KiB") for i in range(nodes)
+    ]
     try:
         t0 = time.monotonic()
         digests = load(address, blocks, value_bytes)
@@ -153,18 +160,37 @@ def summarize(blocks, nodes, ttl, value_bytes, load_s, results) -> dict:
         values = [r[field] for r in results if r[field] is not None]
         return round(statistics.median(values), 3) if values else None
 
-    return {"blocks": blocks, "nodes": nodes, "master_ttl_s": ttl, "heartbeat_s": round(ttl / 3, 3),
-            "value_bytes": value_bytes, "load_s": round(load_s, 1), "runs": results,
-            "median": {f: median(f) for f in ("serving_s", "first_node_s", "all_nodes_s", "complete_s")},
-            "missing": sum(r["missing"] for r in results), "nproc": os.cpu_count()}
+    return {
+        "blocks": blocks,
+        "nodes": nodes,
+        "master_ttl_s": ttl,
+        "heartbeat_s": round(ttl / 3, 3),
+        "value_bytes": value_bytes,
+        "load_s": round(load_s, 1),
+        "runs": results,
+        "median": {f: median(f) for f in ("serving_s", "first_node_s", "all_nodes_s", "complete_s")},
+        "missing": sum(r["missing"] for r in results),
+        "nproc": os.cpu_count(),
+    }
 
 
 def table(r: dict) -> str:
-    rows = [[i + 1, x["serving_s"], x["first_node_s"], x["all_nodes_s"], x["complete_s"],
-             " ".join(f"{float(f):.0%}:{t}" for f, t in x["reached_s"].items()), x["missing"]]
-            for i, x in enumerate(r["runs"])]
-    head = (f"{r['blocks']:,} blocks on {r['nodes']} nodes (heartbeat {r['heartbeat_s']} s), "
-            f"loaded in {r['load_s']} s; seconds from the restart's exec\n\n")
+    rows = [
+        [
+            i + 1,
+            x["serving_s"],
+            x["first_node_s"],
+            x["all_nodes_s"],
+            x["complete_s"],
+            " ".join(f"{float(f):.0%}:{t}" for f, t in x["reached_s"].items()),
+            x["missing"],
+        ]
+        for i, x in enumerate(r["runs"])
+    ]
+    head = (
+        f"{r['blocks']:,} blocks on {r['nodes']} nodes (heartbeat {r['heartbeat_s']} s), "
+        f"loaded in {r['load_s']} s; seconds from the restart's exec\n\n"
+    )
     return head + markdown_table(["run", "serving", "first node", "all nodes", "100%", "curve", "missing"], rows)
 
 

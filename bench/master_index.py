@@ -78,6 +78,7 @@ def measure(stub, server: MasterServer, batches: dict, rounds: int) -> dict[str,
                 call(r)
                 n += len(r.digests)
             return n
+
         return once
 
     def run_inproc(fn, key_batches):
@@ -85,6 +86,7 @@ def measure(stub, server: MasterServer, batches: dict, rounds: int) -> dict[str,
             for b in key_batches:
                 fn(NAMESPACE, b)
             return sum(map(len, key_batches))
+
         return once
 
     for r in req["chain"][:20]:  # warm up the channel, caches and thread pool
@@ -115,7 +117,10 @@ def run_bench(chains: int, chain_len: int, batch: int, calls: int, rounds: int, 
         return {
             "indexed_keys": server.index.size(),
             "entries": sum(sum(c.values()) for c in server.index.node_counts().values()),
-            "nodes": NODES, "batch": batch, "calls_per_round": calls, "rounds": rounds,
+            "nodes": NODES,
+            "batch": batch,
+            "calls_per_round": calls,
+            "rounds": rounds,
             "load_s": round(load_s, 2),
             "keys_per_s": {k: round(v) for k, v in rates.items()},
             "target_keys_per_s": TARGET,
@@ -127,8 +132,10 @@ def run_bench(chains: int, chain_len: int, batch: int, calls: int, rounds: int, 
 
 def format_table(result: dict) -> str:
     rows = [[name, f"{rate:,}"] for name, rate in result["keys_per_s"].items()]
-    head = (f"master index: {result['indexed_keys']:,} keys ({result['entries']:,} node entries) on "
-            f"{result['nodes']} nodes, batches of {result['batch']}, target {TARGET:,} keys/s")
+    head = (
+        f"master index: {result['indexed_keys']:,} keys ({result['entries']:,} node entries) on "
+        f"{result['nodes']} nodes, batches of {result['batch']}, target {TARGET:,} keys/s"
+    )
     return head + "\n" + markdown_table(["operation", "keys/s (median)"], rows)
 
 

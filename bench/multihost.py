@@ -86,9 +86,15 @@ def run(sizes: list[int], working_set: int, repeats: int, dram: int) -> dict:
         try:
             master = start_master(ttl=5.0, extra=("--host", m.address, "--insecure"), prefix=tuple(m.command([])))
             services.append(master)
-            node = start_node(master.record["master"], Path(tmp) / "n", dram=format_size(dram), ssd="0",
-                              max_block=format_size(max(sizes)), extra=("--host", n.address, "--insecure"),
-                              prefix=tuple(n.command([])))
+            node = start_node(
+                master.record["master"],
+                Path(tmp) / "n",
+                dram=format_size(dram),
+                ssd="0",
+                max_block=format_size(max(sizes)),
+                extra=("--host", n.address, "--insecure"),
+                prefix=tuple(n.command([])),
+            )
             services.append(node)
             setup = f"MASTER = {master.record['master']!r}\nBATCH_BYTES = {BATCH_BYTES}\n" + AGENT
             for agent in agents.values():
@@ -101,8 +107,9 @@ def run(sizes: list[int], working_set: int, repeats: int, dram: int) -> dict:
                     for path in PATHS:
                         host, data_path = where[path]
                         ns = f"bench-{path}-{size}-{r}"
-                        got = agents[host].eval(f"measure({path!r}, {data_path!r}, {ns!r}, {size}, {working_set})",
-                                                timeout=300)
+                        got = agents[host].eval(
+                            f"measure({path!r}, {data_path!r}, {ns!r}, {size}, {working_set})", timeout=300
+                        )
                         if r:
                             rounds[path].append(got)
                 result["sizes"][format_size(size)] = summarize(rounds)
@@ -130,10 +137,27 @@ def table(result: dict) -> str:
     rows = []
     for size, figures in result["sizes"].items():
         for op in ("put", "get"):
-            rows.append([size, op, *(figures[f"{p}_{op}_gbps"] for p in PATHS),
-                         figures[f"cross_host_tcp_vs_same_host_shm_{op}"], figures[f"cross_host_tcp_vs_same_host_tcp_{op}"]])
-    return markdown_table(["block", "op", "same host shm GB/s", "same host tcp GB/s", "cross host tcp GB/s",
-                           "cross / shm", "cross / same-host tcp"], rows)
+            rows.append(
+                [
+                    size,
+                    op,
+                    *(figures[f"{p}_{op}_gbps"] for p in PATHS),
+                    figures[f"cross_host_tcp_vs_same_host_shm_{op}"],
+                    figures[f"cross_host_tcp_vs_same_host_tcp_{op}"],
+                ]
+            )
+    return markdown_table(
+        [
+            "block",
+            "op",
+            "same host shm GB/s",
+            "same host tcp GB/s",
+            "cross host tcp GB/s",
+            "cross / shm",
+            "cross / same-host tcp",
+        ],
+        rows,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,8 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     reason = unavailable()
     if reason:
         sys.exit(f"bench.multihost: {reason}")
-    result = run([parse_size(s) for s in args.sizes.split(",")], parse_size(args.working_set), args.repeats,
-                 parse_size(args.dram))
+    result = run(
+        [parse_size(s) for s in args.sizes.split(",")],
+        parse_size(args.working_set),
+        args.repeats,
+        parse_size(args.dram),
+    )
     emit(result, args.json, table)
 
 

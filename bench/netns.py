@@ -201,8 +201,10 @@ class Network:
         ip("-n", netns, "link", "set", "dev", "eth0", "up")
         seen = host.run(["cat", "/etc/machine-id"]).stdout.strip()
         if seen != machine_id:
-            raise NetnsUnavailable(f"`ip netns exec` did not bind /etc/netns/{netns}/machine-id over "
-                                   f"/etc/machine-id (saw {seen!r}): hosts would share a machine id")
+            raise NetnsUnavailable(
+                f"`ip netns exec` did not bind /etc/netns/{netns}/machine-id over "
+                f"/etc/machine-id (saw {seen!r}): hosts would share a machine id"
+            )
         self.hosts.append(host)
         return host
 
@@ -262,9 +264,15 @@ class Interpreter:
         self.host = host
         self._err = tempfile.TemporaryFile("w+")
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env or {}))
-        self.proc = subprocess.Popen(host.command([sys.executable, "-c", _AGENT]), cwd=ROOT, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            host.command([sys.executable, "-c", _AGENT]),
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            preexec_fn=die_with_parent,
+        )
         self._buffer = b""
 
     def exec(self, code: str, timeout: float = 60, wait: bool = True) -> None:

@@ -68,10 +68,24 @@ class NodeProcess:
     """Runs ``python -m bench.node_process`` until ``close``; ``info`` is its JSON line."""
 
     def __init__(self, size: int, count: int, unix_path: str, raw: bool = False, extra: tuple = ()):
-        args = [sys.executable, "-m", "bench.node_process", "--size", str(size), "--count", str(count),
-                "--unix", unix_path] + (["--raw"] if raw else []) + list(extra)
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     preexec_fn=die_with_parent)
+        args = (
+            [
+                sys.executable,
+                "-m",
+                "bench.node_process",
+                "--size",
+                str(size),
+                "--count",
+                str(count),
+                "--unix",
+                unix_path,
+            ]
+            + (["--raw"] if raw else [])
+            + list(extra)
+        )
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent
+        )
         line = self.proc.stdout.readline()
         if not line:
             self.close()
@@ -123,8 +137,11 @@ def main(argv: list[str] | None = None) -> None:
         raw = RawServer(rng.integers(0, 256, (args.count, size), dtype=np.uint8)) if args.raw else None
         with contextlib.ExitStack() as servers:
             server = servers.enter_context(DataPlaneServer(store, unix_path=args.unix))
-            info = {"address": server.address, "unix_path": server.unix_path,
-                    "raw_address": raw.address if raw else None}
+            info = {
+                "address": server.address,
+                "unix_path": server.unix_path,
+                "raw_address": raw.address if raw else None,
+            }
             for name, (acl, tls_context) in variants.items():
                 info[name] = servers.enter_context(DataPlaneServer(store, access=acl, tls=tls_context)).address
             print(json.dumps(info), flush=True)

@@ -26,7 +26,7 @@ from bench.common import die_with_parent
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OFFLOADING_SKIPS = [
     "vLLM OffloadingConnector: does not start on vLLM's CPU backend "
-    "(\"CPU Offloading is currently only supported on CUDA-alike and XPU GPUs\")",
+    '("CPU Offloading is currently only supported on CUDA-alike and XPU GPUs")',
     "vLLM SimpleCPUOffloadConnector: does not start on vLLM's CPU backend (it needs CUDA streams)",
 ]
 # LMCache reports usage to its authors unless told not to; nothing may leave this machine.
@@ -64,8 +64,9 @@ class LMCachePeer:
                 self.process.wait()
 
 
-def start_lmcache(log_path: str, *, block_size: int, size_gb: float = 4.0,
-                  start_timeout: float = 120) -> LMCachePeer | str:
+def start_lmcache(
+    log_path: str, *, block_size: int, size_gb: float = 4.0, start_timeout: float = 120
+) -> LMCachePeer | str:
     """Start an ``lmcache server`` on free loopback ports; the peer, or why it cannot run."""
     python = lmcache_python()
     if python is None:
@@ -74,12 +75,34 @@ def start_lmcache(log_path: str, *, block_size: int, size_gb: float = 4.0,
     env = dict(os.environ, **QUIET)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [python, "-c", "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())",
-             "server", "--host", "127.0.0.1", "--port", str(port), "--http-host", "127.0.0.1",
-             "--http-port", str(http_port), "--chunk-size", str(block_size), "--l1-size-gb", str(size_gb),
-             "--eviction-policy", "LRU",
-             "--supported-transfer-mode", "auto"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-            preexec_fn=die_with_parent)
+            [
+                python,
+                "-c",
+                "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())",
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                str(http_port),
+                "--chunk-size",
+                str(block_size),
+                "--l1-size-gb",
+                str(size_gb),
+                "--eviction-policy",
+                "LRU",
+                "--supported-transfer-mode",
+                "auto",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            preexec_fn=die_with_parent,
+        )
     deadline = time.monotonic() + start_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -92,9 +115,12 @@ def start_lmcache(log_path: str, *, block_size: int, size_gb: float = 4.0,
     else:
         process.kill()
         return f"lmcache server did not listen within {start_timeout:.0f} s (log: {log_path})"
-    config = {"kv_connector": "LMCacheMPConnector", "kv_connector_module_path": "bench.lmcache_shim",
-              "kv_role": "kv_both",
-              "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
+    config = {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_connector_module_path": "bench.lmcache_shim",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port},
+    }
     return LMCachePeer(python, process, config, dict(QUIET))
 
 

@@ -65,7 +65,10 @@ def run_policy(name: str, work: dict) -> dict[str, float]:
 
 def format_table(results: dict[str, dict[str, float]], blocks: int) -> str:
     """A readable table: one row per policy, ns/op per phase."""
-    lines = [f"eviction policy cost, {blocks:,} blocks (ns/op)", f"{'policy':<14}" + "".join(f"{p[:-3]:>10}" for p in PHASES)]
+    lines = [
+        f"eviction policy cost, {blocks:,} blocks (ns/op)",
+        f"{'policy':<14}" + "".join(f"{p[:-3]:>10}" for p in PHASES),
+    ]
     for name, row in results.items():
         lines.append(f"{name:<14}" + "".join(f"{row[p]:>10.0f}" for p in PHASES))
     return "\n".join(lines)

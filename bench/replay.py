@@ -86,9 +86,23 @@ from kvstore.scheduler import ADMISSIONS, PREFILL_POLICIES, Conductor, CostModel
 from bench.simulation import SimRequest, Simulation
 
 NAMESPACE = "trace"
-DEFAULTS = dict(prefill=16, decode=16, cache_blocks=4000, speed=1.0, admission="off", ttft_slo=30.0,
-                tbt_slo=0.1, mfu=0.35, bandwidth_gbps=25.0, balancing_threshold=0, eviction="lru",
-                seed=0, sample_s=10.0, decode_kv_tokens=1_330_000, jitter_s=0.0)
+DEFAULTS = dict(
+    prefill=16,
+    decode=16,
+    cache_blocks=4000,
+    speed=1.0,
+    admission="off",
+    ttft_slo=30.0,
+    tbt_slo=0.1,
+    mfu=0.35,
+    bandwidth_gbps=25.0,
+    balancing_threshold=0,
+    eviction="lru",
+    seed=0,
+    sample_s=10.0,
+    decode_kv_tokens=1_330_000,
+    jitter_s=0.0,
+)
 
 
 TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -113,9 +127,16 @@ def to_sim_requests(trace: list[dict], speed: float, jitter_s: float = 0.0, seed
             d = digest_cache[h] = h.to_bytes(8, "little", signed=h < 0)
         return d
 
-    out = [SimRequest(i, r["timestamp"] / 1000.0 / speed + (rng.uniform(0.0, jitter_s) if jitter_s > 0 else 0.0),
-                      int(r["input_length"]), int(r["output_length"]), [digest(h) for h in r["hash_ids"]])
-           for i, r in enumerate(trace)]
+    out = [
+        SimRequest(
+            i,
+            r["timestamp"] / 1000.0 / speed + (rng.uniform(0.0, jitter_s) if jitter_s > 0 else 0.0),
+            int(r["input_length"]),
+            int(r["output_length"]),
+            [digest(h) for h in r["hash_ids"]],
+        )
+        for i, r in enumerate(trace)
+    ]
     if jitter_s > 0:
         out.sort(key=lambda r: r.arrival)
     return out
@@ -124,14 +145,25 @@ def to_sim_requests(trace: list[dict], speed: float, jitter_s: float = 0.0, seed
 def replay(trace: list[dict], policy: str, **options) -> dict:
     """One run; ``options`` override DEFAULTS. Returns the metrics dict."""
     cfg = {**DEFAULTS, **options}
-    params = CostParams(mfu=cfg["mfu"], transfer_bandwidth=cfg["bandwidth_gbps"] * 1e9,
-                        decode_kv_tokens=cfg["decode_kv_tokens"])
+    params = CostParams(
+        mfu=cfg["mfu"], transfer_bandwidth=cfg["bandwidth_gbps"] * 1e9, decode_kv_tokens=cfg["decode_kv_tokens"]
+    )
     clock = SimClock()
-    conductor = Conductor(PrefixIndex(), CostModel(params), policy=policy, admission=cfg["admission"],
-                          ttft_slo=cfg["ttft_slo"], tbt_slo=cfg["tbt_slo"], namespace=NAMESPACE, clock=clock,
-                          seed=cfg["seed"], balancing_threshold=cfg["balancing_threshold"])
-    sim = Simulation(conductor, clock, cfg["prefill"], cfg["decode"], cfg["cache_blocks"], cfg["eviction"],
-                     cfg["sample_s"])
+    conductor = Conductor(
+        PrefixIndex(),
+        CostModel(params),
+        policy=policy,
+        admission=cfg["admission"],
+        ttft_slo=cfg["ttft_slo"],
+        tbt_slo=cfg["tbt_slo"],
+        namespace=NAMESPACE,
+        clock=clock,
+        seed=cfg["seed"],
+        balancing_threshold=cfg["balancing_threshold"],
+    )
+    sim = Simulation(
+        conductor, clock, cfg["prefill"], cfg["decode"], cfg["cache_blocks"], cfg["eviction"], cfg["sample_s"]
+    )
     requests = to_sim_requests(trace, cfg["speed"], cfg["jitter_s"], cfg["seed"])
     start = time.perf_counter()
     result = sim.run(requests)
@@ -158,19 +190,24 @@ def summarise(result, ttft_slo: float, cost: CostModel) -> dict:
     decode_busy = sum(d.busy_s for d in result.decodes) or 1.0
     p50, p90, p99 = np.percentile(ttft, [50, 90, 99])
     out = {
-        "requests": len(reqs), "served": len(served),
+        "requests": len(reqs),
+        "served": len(served),
         # decode work of the served requests: context tokens held, and held x steps (tokens x output length)
         "served_mean_tokens": round(sum(r.input_len + r.output_len for r in served) / max(len(served), 1)),
         "served_by_input": served_by_input(served),
         "served_decode_gtoken_steps": round(sum((r.input_len + r.output_len) * r.output_len for r in served) / 1e9, 2),
-        "mean_ttft_s": round(float(ttft.mean()), 3), "p50_ttft_s": round(float(p50), 3),
-        "p90_ttft_s": round(float(p90), 3), "p99_ttft_s": round(float(p99), 3),
+        "mean_ttft_s": round(float(ttft.mean()), 3),
+        "p50_ttft_s": round(float(p50), 3),
+        "p90_ttft_s": round(float(p90), 3),
+        "p99_ttft_s": round(float(p99), 3),
         "ttft_slo_attainment": round(float((ttft <= ttft_slo).sum()) / len(reqs), 4) if served else 0.0,
         "prefix_hit_ratio": round(sum(r.decision.prefix_blocks for r in admitted) / blocks, 4),
         "local_hit_ratio": round(sum(r.decision.local_blocks for r in admitted) / blocks, 4),
         "blocks_transferred": sum(len(r.decision.fetch_blocks) for r in admitted),
-        "rejected": len(reqs) - len(served), "rejected_at_arrival": len(reqs) - len(admitted),
-        "rejected_after_prefill": len(after), "rejected_by_reason": reasons,
+        "rejected": len(reqs) - len(served),
+        "rejected_at_arrival": len(reqs) - len(admitted),
+        "rejected_after_prefill": len(after),
+        "rejected_by_reason": reasons,
         "wasted_prefill_s": round(result.wasted_prefill_s, 2),
         "prefill_utilisation": round(prefill_busy / (len(result.prefills) * max(result.end_time, 1e-9)), 4),
         "decode_over_slo_frac": round(sum(d.over_slo_s for d in result.decodes) / decode_busy, 4),
@@ -194,8 +231,13 @@ def served_by_input(served: list) -> str:
 def oscillation(samples: list) -> dict:
     """Decode load over time and how much it swings."""
     if len(samples) < 3:
-        return {"decode_load_mean": 0.0, "decode_load_std": 0.0, "decode_load_mean_abs_change": 0.0,
-                "prefill_decode_load_corr": 0.0, "decode_load_series": []}
+        return {
+            "decode_load_mean": 0.0,
+            "decode_load_std": 0.0,
+            "decode_load_mean_abs_change": 0.0,
+            "prefill_decode_load_corr": 0.0,
+            "decode_load_series": [],
+        }
     t, dec, pre = (np.array(c, dtype=float) for c in zip(*samples))
     corr = float(np.corrcoef(dec, pre)[0, 1]) if dec.std() > 0 and pre.std() > 0 else 0.0
     return {
@@ -218,16 +260,28 @@ def policy_table(trace: list[dict], **options) -> dict:
 def admission_table(trace: list[dict], policy: str, seeds: list[int] | None = None, **options) -> dict:
     """Every admission mode; with ``seeds``, once per seed (rows "mode seed=N"), to go with ``jitter_s``."""
     if not seeds:
-        return {"table": "admission",
-                "runs": {a: replay(trace, policy, admission=a, **options) for a in ("none", "early", "prediction")}}
+        return {
+            "table": "admission",
+            "runs": {a: replay(trace, policy, admission=a, **options) for a in ("none", "early", "prediction")},
+        }
     options.pop("seed", None)
-    runs = {f"{a} seed={s}": replay(trace, policy, admission=a, seed=s, **options)
-            for s in seeds for a in ("none", "early", "prediction")}
+    runs = {
+        f"{a} seed={s}": replay(trace, policy, admission=a, seed=s, **options)
+        for s in seeds
+        for a in ("none", "early", "prediction")
+    }
     return {"table": "admission", "runs": runs}
 
 
-def decision_latency(blocks: int = 1_000_000, chain_len: int = 40, prefill: int = 16, decode: int = 16,
-                     calls: int = 5000, in_flight: int = 256, seed: int = 0) -> dict:
+def decision_latency(
+    blocks: int = 1_000_000,
+    chain_len: int = 40,
+    prefill: int = 16,
+    decode: int = 16,
+    calls: int = 5000,
+    in_flight: int = 256,
+    seed: int = 0,
+) -> dict:
     """Time ``Conductor.schedule`` with ``blocks`` distinct blocks indexed (1.5x as many entries).
 
     Chains of ``chain_len`` random digests: chain c lives on node c % prefill, its first half also on
@@ -243,17 +297,25 @@ def decision_latency(blocks: int = 1_000_000, chain_len: int = 40, prefill: int 
     chains = [[rng.randbytes(16) for _ in range(chain_len)] for _ in range(max(blocks // chain_len, 1))]
     for c, chain in enumerate(chains):
         index.apply(nodes[c % prefill], [(NAMESPACE, [(STORED, DRAM, d) for d in chain])])
-        index.apply(nodes[(c + 1) % prefill], [(NAMESPACE, [(STORED, DRAM, d) for d in chain[:chain_len // 2]])])
+        index.apply(nodes[(c + 1) % prefill], [(NAMESPACE, [(STORED, DRAM, d) for d in chain[: chain_len // 2]])])
     requests = []
     for _ in range(calls):
         chain = rng.choice(chains)
-        keys = chain[:rng.randint(1, chain_len)] + [rng.randbytes(16) for _ in range(rng.randint(0, 8))]
+        keys = chain[: rng.randint(1, chain_len)] + [rng.randbytes(16) for _ in range(rng.randint(0, 8))]
         requests.append((keys, len(keys) * 512 - rng.randrange(512), rng.randint(10, 1000)))
     out = {"indexed_blocks": index.size(), "prefill": prefill, "decode": decode, "calls": calls, "policies": {}}
     for policy in PREFILL_POLICIES:
         clock = SimClock()
-        conductor = Conductor(index, CostModel(), policy=policy, admission="prediction", ttft_slo=math.inf,
-                              tbt_slo=0.1, namespace=NAMESPACE, clock=clock)
+        conductor = Conductor(
+            index,
+            CostModel(),
+            policy=policy,
+            admission="prediction",
+            ttft_slo=math.inf,
+            tbt_slo=0.1,
+            namespace=NAMESPACE,
+            clock=clock,
+        )
         for i, n in enumerate(nodes):
             conductor.register_prefill(f"prefill-{i}", n)
         for i in range(decode):
@@ -268,8 +330,11 @@ def decision_latency(blocks: int = 1_000_000, chain_len: int = 40, prefill: int 
             if len(live) > in_flight:
                 _complete(conductor, live.pop(0))
         us = np.array(times) * 1e6
-        out["policies"][policy] = {"p50_us": round(float(np.percentile(us, 50)), 1),
-                                   "p99_us": round(float(np.percentile(us, 99)), 1), "max_us": round(float(us.max()), 1)}
+        out["policies"][policy] = {
+            "p50_us": round(float(np.percentile(us, 50)), 1),
+            "p99_us": round(float(np.percentile(us, 99)), 1),
+            "max_us": round(float(us.max()), 1),
+        }
     return out
 
 
@@ -285,20 +350,73 @@ def _render(result: dict) -> str:
         head = f"{result['indexed_blocks']:,} blocks indexed, {result['prefill']}P + {result['decode']}D\n\n"
         return head + markdown_table(["policy", "p50 us", "p99 us", "max us"], rows)
     if result.get("table") == "policies":
-        rows = [[p, r["mean_ttft_s"], r["p90_ttft_s"], r["p99_ttft_s"], r["ttft_ratio_vs_kvcache_centric"],
-                 r["prefix_hit_ratio"], r["blocks_transferred"], r["wall_seconds"]] for p, r in result["runs"].items()]
-        return markdown_table(["policy", "mean TTFT s", "p90 TTFT s", "p99 TTFT s", "mean / kvcache_centric",
-                               "prefix hit", "blocks moved", "wall s"], rows)
+        rows = [
+            [
+                p,
+                r["mean_ttft_s"],
+                r["p90_ttft_s"],
+                r["p99_ttft_s"],
+                r["ttft_ratio_vs_kvcache_centric"],
+                r["prefix_hit_ratio"],
+                r["blocks_transferred"],
+                r["wall_seconds"],
+            ]
+            for p, r in result["runs"].items()
+        ]
+        return markdown_table(
+            [
+                "policy",
+                "mean TTFT s",
+                "p90 TTFT s",
+                "p99 TTFT s",
+                "mean / kvcache_centric",
+                "prefix hit",
+                "blocks moved",
+                "wall s",
+            ],
+            rows,
+        )
     if result.get("table") == "admission":
-        rows = [[a, r["rejected"], r["rejected_by_reason"], r["rejected_at_arrival"], r["rejected_after_prefill"],
-                 r["wasted_prefill_s"], r["served_mean_tokens"], r["served_by_input"], r["served_decode_gtoken_steps"],
-                 r["mean_ttft_s"], r["decode_load_std"], r["decode_load_mean_abs_change"],
-                 r["decode_over_slo_frac"], r["decode_wait_mean_s"], r["wall_seconds"]]
-                for a, r in result["runs"].items()]
-        return markdown_table(["admission", "rejected", "why", "at arrival", "after prefill", "wasted prefill s",
-                               "served: mean tokens", "served by input <8k/8-32k/32-64k/64k+",
-                               "served: G token-steps", "mean TTFT s", "decode load std",
-                               "mean |change|", "decode over SLO", "decode wait s", "wall s"], rows)
+        rows = [
+            [
+                a,
+                r["rejected"],
+                r["rejected_by_reason"],
+                r["rejected_at_arrival"],
+                r["rejected_after_prefill"],
+                r["wasted_prefill_s"],
+                r["served_mean_tokens"],
+                r["served_by_input"],
+                r["served_decode_gtoken_steps"],
+                r["mean_ttft_s"],
+                r["decode_load_std"],
+                r["decode_load_mean_abs_change"],
+                r["decode_over_slo_frac"],
+                r["decode_wait_mean_s"],
+                r["wall_seconds"],
+            ]
+            for a, r in result["runs"].items()
+        ]
+        return markdown_table(
+            [
+                "admission",
+                "rejected",
+                "why",
+                "at arrival",
+                "after prefill",
+                "wasted prefill s",
+                "served: mean tokens",
+                "served by input <8k/8-32k/32-64k/64k+",
+                "served: G token-steps",
+                "mean TTFT s",
+                "decode load std",
+                "mean |change|",
+                "decode over SLO",
+                "decode wait s",
+                "wall s",
+            ],
+            rows,
+        )
     return "\n".join(f"{k}: {v}" for k, v in result.items() if k != "decode_load_series")
 
 
@@ -314,23 +432,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttft-slo", type=float, default=DEFAULTS["ttft_slo"], help="seconds")
     parser.add_argument("--tbt-slo", type=float, default=DEFAULTS["tbt_slo"], help="seconds per token")
     parser.add_argument("--mfu", type=float, default=DEFAULTS["mfu"], help="prefill model FLOPs utilisation")
-    parser.add_argument("--bandwidth-gbps", type=float, default=DEFAULTS["bandwidth_gbps"],
-                        help="prefix transfer bandwidth, GB/s")
-    parser.add_argument("--decode-kv-tokens", type=int, default=DEFAULTS["decode_kv_tokens"],
-                        help="context tokens one decode instance's HBM holds")
+    parser.add_argument(
+        "--bandwidth-gbps", type=float, default=DEFAULTS["bandwidth_gbps"], help="prefix transfer bandwidth, GB/s"
+    )
+    parser.add_argument(
+        "--decode-kv-tokens",
+        type=int,
+        default=DEFAULTS["decode_kv_tokens"],
+        help="context tokens one decode instance's HBM holds",
+    )
     parser.add_argument("--balancing-threshold", type=int, default=DEFAULTS["balancing_threshold"], help="blocks")
     parser.add_argument("--eviction", choices=sorted(POLICIES), default=DEFAULTS["eviction"])
-    parser.add_argument("--seed", type=int, default=DEFAULTS["seed"],
-                        help="seed of the random policy and of --jitter-s")
-    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                        help="with --table admission: run every mode once per seed, e.g. 0,1,2")
-    parser.add_argument("--jitter-s", type=float, default=DEFAULTS["jitter_s"],
-                        help="delay each arrival by uniform [0, J) s drawn from the seed (0: the trace as is)")
+    parser.add_argument(
+        "--seed", type=int, default=DEFAULTS["seed"], help="seed of the random policy and of --jitter-s"
+    )
+    parser.add_argument(
+        "--seeds",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=None,
+        help="with --table admission: run every mode once per seed, e.g. 0,1,2",
+    )
+    parser.add_argument(
+        "--jitter-s",
+        type=float,
+        default=DEFAULTS["jitter_s"],
+        help="delay each arrival by uniform [0, J) s drawn from the seed (0: the trace as is)",
+    )
     parser.add_argument("--sample-s", type=float, default=DEFAULTS["sample_s"], help="load sampling period")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--table", choices=["policies", "admission"], help="run every policy / admission mode")
-    parser.add_argument("--decision-latency", action="store_true",
-                        help="time one scheduling decision at --blocks indexed blocks instead of replaying")
+    parser.add_argument(
+        "--decision-latency",
+        action="store_true",
+        help="time one scheduling decision at --blocks indexed blocks instead of replaying",
+    )
     parser.add_argument("--blocks", type=int, default=1_000_000, help="indexed blocks for --decision-latency")
     parser.add_argument("--series", action="store_true", help="keep decode_load_series in the JSON")
     parser.add_argument("--json", action="store_true", help="print JSON")

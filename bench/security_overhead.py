@@ -71,30 +71,60 @@ def make_certificates(directory: str) -> tuple[str, str, str]:
 
     ca_key, node_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
-    ca = (x509.CertificateBuilder().subject_name(name("kvstore bench CA")).issuer_name(name("kvstore bench CA"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(start).not_valid_after(end)
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(ca_ski, critical=False)
-          .sign(ca_key, hashes.SHA256()))
-    node = (x509.CertificateBuilder().subject_name(name("kvstore bench node")).issuer_name(ca.subject)
-            .public_key(node_key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(start).not_valid_after(end)
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                                        x509.DNSName("localhost")]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(node_key.public_key()), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("kvstore bench CA"))
+        .issuer_name(name("kvstore bench CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(ca_ski, critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    node = (
+        x509.CertificateBuilder()
+        .subject_name(name("kvstore bench node"))
+        .issuer_name(ca.subject)
+        .public_key(node_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(node_key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     paths = [os.path.join(directory, f) for f in ("ca.pem", "node.pem", "node.key")]
     pem = serialization.Encoding.PEM
-    for path, data in zip(paths, (ca.public_bytes(pem), node.public_bytes(pem),
-                                  node_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                         serialization.NoEncryption()))):
+    for path, data in zip(
+        paths,
+        (
+            ca.public_bytes(pem),
+            node.public_bytes(pem),
+            node_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+        ),
+    ):
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(data)
     return paths[0], paths[1], paths[2]
@@ -123,6 +153,7 @@ def reader(conn: TcpConnection, keys: list, dst: np.ndarray, seconds: float):
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
                 return done, elapsed
+
     return run
 
 
@@ -139,8 +170,12 @@ def connect_seconds(address: str, credentials: Credentials, count: int) -> list[
 def measure(size: int, blocks: int, rounds: int, seconds: float, connects: int, tmp: str) -> dict:
     ca, cert, key = make_certificates(tmp)
     access = write_access_file(tmp)
-    credentials = {"plain": Credentials(), "auth": Credentials(token=TENANT_TOKEN),
-                   "tls": Credentials(tls_ca=ca), "tls_auth": Credentials(token=TENANT_TOKEN, tls_ca=ca)}
+    credentials = {
+        "plain": Credentials(),
+        "auth": Credentials(token=TENANT_TOKEN),
+        "tls": Credentials(tls_ca=ca),
+        "tls_auth": Credentials(token=TENANT_TOKEN, tls_ca=ca),
+    }
     keys = bench_keys(blocks)
     dst = np.empty(size, dtype=np.uint8)
     extra = ("--access", access, "--tls-cert", cert, "--tls-key", key)
@@ -209,9 +244,16 @@ def main(argv: list[str] | None = None) -> None:
 
 def _table(result: dict) -> str:
     f = result["figures"]
-    rows = [[LABELS[name], f[f"{name}_gbps"], "1.0" if name == "plain" else f[f"{name}_vs_plain"],
-             f[f"{name}_connect_ms"], "1.0" if name == "plain" else f[f"{name}_connect_vs_plain"]]
-            for name in CONFIGS]
+    rows = [
+        [
+            LABELS[name],
+            f[f"{name}_gbps"],
+            "1.0" if name == "plain" else f[f"{name}_vs_plain"],
+            f[f"{name}_connect_ms"],
+            "1.0" if name == "plain" else f[f"{name}_connect_vs_plain"],
+        ]
+        for name in CONFIGS
+    ]
     text = markdown_table([f"{result['size']} TCP get_into", "GB/s", "vs plain", "connect (ms)", "vs plain"], rows)
     text += f"\n\nTLS cipher: {f['tls_cipher']}"
     text += "\n\n" + "\n".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in result["targets"].items())

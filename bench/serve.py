@@ -64,8 +64,12 @@ VOCAB = 1000
 
 
 def engine_options(args, model: str, max_model_len: int) -> dict:
-    return {"model": model, "block_size": args.block_tokens, "max_model_len": max_model_len,
-            "kv_cache_bytes": args.kv_cache_mib << 20}
+    return {
+        "model": model,
+        "block_size": args.block_tokens,
+        "max_model_len": max_model_len,
+        "kv_cache_bytes": args.kv_cache_mib << 20,
+    }
 
 
 def cpus_for(args, n: int) -> str | None:
@@ -90,12 +94,15 @@ def measure(urls: dict[str, str], requests, target, args) -> dict:
     asyncio.run(warm_up(list(dict.fromkeys(target(n) for n in range(2))), args.seed + 1))
     before = {name: prompt_counters(url) for name, url in urls.items()}
     records, seconds = asyncio.run(replay(requests, target))
-    time.sleep(1.0)   # the API server counts a step's prompt tokens as it handles that step's outputs
+    time.sleep(1.0)  # the API server counts a step's prompt tokens as it handles that step's outputs
     engines = {name: counter_delta(before[name], prompt_counters(url)) for name, url in urls.items()}
     result = latency_summary(records, args.ttft_slo / 1000, args.tbt_slo / 1000)
-    result.update(replay_s=round(seconds, 2), engines=engines,
-                  prefill_tokens_computed=sum(e["local_compute"] for e in engines.values()),
-                  cached_tokens_reported=sum(r["cached_tokens"] or 0 for r in records if r["ok"]))
+    result.update(
+        replay_s=round(seconds, 2),
+        engines=engines,
+        prefill_tokens_computed=sum(e["local_compute"] for e in engines.values()),
+        cached_tokens_reported=sum(r["cached_tokens"] or 0 for r in records if r["ok"]),
+    )
     return result
 
 
@@ -105,11 +112,11 @@ def run_disaggregated(args, model: str, max_model_len: int, requests, logs: str,
         for p in procs:
             stack.callback(p.stop)
         options = engine_options(args, model, max_model_len)
-        prefill = Engine("prefill", logs=logs, pool=(master, args.prefill_kv_role, "prefill"),
-                         cpus=cpus_for(args, 0), **options)
+        prefill = Engine(
+            "prefill", logs=logs, pool=(master, args.prefill_kv_role, "prefill"), cpus=cpus_for(args, 0), **options
+        )
         stack.callback(prefill.stop)
-        decode = Engine("decode", logs=logs, pool=(master, "kv_consumer", "decode"), cpus=cpus_for(args, 1),
-                        **options)
+        decode = Engine("decode", logs=logs, pool=(master, "kv_consumer", "decode"), cpus=cpus_for(args, 1), **options)
         stack.callback(decode.stop)
         wait_ready([prefill, decode], lambda e: f"{e.url}/health")
         router, url = start_router(master, logs)
@@ -137,8 +144,10 @@ def ratio(a, b):
 
 
 def ratios(a: dict, b: dict) -> dict:
-    out = {"prefill_tokens_computed": ratio(a["prefill_tokens_computed"], b["prefill_tokens_computed"]),
-           "meet_both_slos": ratio(a["meet_both_slos"], b["meet_both_slos"])}
+    out = {
+        "prefill_tokens_computed": ratio(a["prefill_tokens_computed"], b["prefill_tokens_computed"]),
+        "meet_both_slos": ratio(a["meet_both_slos"], b["meet_both_slos"]),
+    }
     for metric in ("ttft_ms", "tbt_ms"):
         for q in ("p50", "p90"):
             out[f"{metric[:-3]}_{q}"] = ratio(a[metric][q], b[metric][q])
@@ -147,22 +156,28 @@ def ratios(a: dict, b: dict) -> dict:
 
 def commit() -> str:
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def slice_info(requests) -> dict:
-    return {"requests": len(requests), "trace_indexes": [requests[0].index, requests[-1].index],
-            "conversations": len({r.hash_ids[:2] for r in requests}),
-            "prompt_tokens": sum(len(r.prompt) for r in requests),
-            "output_tokens": sum(r.max_tokens for r in requests),
-            "longest_prompt": max(len(r.prompt) for r in requests),
-            "span_s": round(requests[-1].arrival_s, 2), "reuse_bound": round(reuse_bound(requests), 3)}
+    return {
+        "requests": len(requests),
+        "trace_indexes": [requests[0].index, requests[-1].index],
+        "conversations": len({r.hash_ids[:2] for r in requests}),
+        "prompt_tokens": sum(len(r.prompt) for r in requests),
+        "output_tokens": sum(r.max_tokens for r in requests),
+        "longest_prompt": max(len(r.prompt) for r in requests),
+        "span_s": round(requests[-1].arrival_s, 2),
+        "reuse_bound": round(reuse_bound(requests), 3),
+    }
 
 
 def targets(result: dict) -> dict:
@@ -170,12 +185,14 @@ def targets(result: dict) -> dict:
     setups = result["setups"]
     if "prefill_tokens_computed" in result["ratios"]:
         value = result["ratios"]["prefill_tokens_computed"]
-        out[f"prefill tokens computed (a) <= {TARGETS['prefill_computed_ratio']}x (b)"] = \
+        out[f"prefill tokens computed (a) <= {TARGETS['prefill_computed_ratio']}x (b)"] = (
             value is not None and value <= TARGETS["prefill_computed_ratio"]
+        )
     overhead = setups.get("disaggregated", {}).get("router_overhead")
     if overhead:
-        out[f"router adds <= {TARGETS['router_overhead_ms']} ms p50 TTFT"] = \
+        out[f"router adds <= {TARGETS['router_overhead_ms']} ms p50 TTFT"] = (
             overhead["added_ttft_p50_ms"] is not None and overhead["added_ttft_p50_ms"] <= TARGETS["router_overhead_ms"]
+        )
     return out
 
 
@@ -184,26 +201,52 @@ def fmt(value, spec: str = ".1f") -> str:
 
 
 def table(result: dict) -> str:
-    header = ["setup", "completed", "TTFT p50 ms", "TTFT p90 ms", "TBT p50 ms", "TBT p90 ms", "meet both SLOs",
-              "prefill tokens computed", "replay s"]
+    header = [
+        "setup",
+        "completed",
+        "TTFT p50 ms",
+        "TTFT p90 ms",
+        "TBT p50 ms",
+        "TBT p90 ms",
+        "meet both SLOs",
+        "prefill tokens computed",
+        "replay s",
+    ]
     rows = []
     for name, s in result["setups"].items():
-        rows.append([name, f"{s['completed']}/{s['requests']}", fmt(s["ttft_ms"]["p50"]), fmt(s["ttft_ms"]["p90"]),
-                     fmt(s["tbt_ms"]["p50"]), fmt(s["tbt_ms"]["p90"]), s["meet_both_slos"],
-                     s["prefill_tokens_computed"], fmt(s["replay_s"])])
+        rows.append(
+            [
+                name,
+                f"{s['completed']}/{s['requests']}",
+                fmt(s["ttft_ms"]["p50"]),
+                fmt(s["ttft_ms"]["p90"]),
+                fmt(s["tbt_ms"]["p50"]),
+                fmt(s["tbt_ms"]["p90"]),
+                s["meet_both_slos"],
+                s["prefill_tokens_computed"],
+                fmt(s["replay_s"]),
+            ]
+        )
     sl = result["config"]["slice"]
-    lines = [markdown_table(header, rows), "",
-             f"slice: {sl['requests']} requests of {sl['conversations']} conversations, {sl['prompt_tokens']} prompt "
-             f"tokens, {sl['span_s']} s; an unbounded cache would skip {sl['reuse_bound']:.0%} of the blocks",
-             "ratios (a)/(b): " + ", ".join(f"{k} {fmt(v, '.3f')}" for k, v in result["ratios"].items())]
+    lines = [
+        markdown_table(header, rows),
+        "",
+        f"slice: {sl['requests']} requests of {sl['conversations']} conversations, {sl['prompt_tokens']} prompt "
+        f"tokens, {sl['span_s']} s; an unbounded cache would skip {sl['reuse_bound']:.0%} of the blocks",
+        "ratios (a)/(b): " + ", ".join(f"{k} {fmt(v, '.3f')}" for k, v in result["ratios"].items()),
+    ]
     overhead = result["setups"].get("disaggregated", {}).get("router_overhead")
     if overhead:
-        lines.append(f"router overhead: +{fmt(overhead['added_ttft_p50_ms'], '.2f')} ms p50 TTFT (median of "
-                     f"{len(overhead['rounds'])} rounds; range {fmt(overhead['range_ms'][0], '.2f')} to "
-                     f"{fmt(overhead['range_ms'][1], '.2f')})")
+        lines.append(
+            f"router overhead: +{fmt(overhead['added_ttft_p50_ms'], '.2f')} ms p50 TTFT (median of "
+            f"{len(overhead['rounds'])} rounds; range {fmt(overhead['range_ms'][0], '.2f')} to "
+            f"{fmt(overhead['range_ms'][1], '.2f')})"
+        )
     lines += [f"target {name}: {'met' if ok else 'missed'}" for name, ok in result["targets"].items()]
-    lines.append(f"machine: {result['machine']['nproc']} cores, load {result['machine']['load_before']} before, "
-                 f"{result['machine']['load_after']} after; commit {result['commit']}")
+    lines.append(
+        f"machine: {result['machine']['nproc']} cores, load {result['machine']['load_before']} before, "
+        f"{result['machine']['load_after']} after; commit {result['commit']}"
+    )
     return "\n".join(lines)
 
 
@@ -212,8 +255,12 @@ def parse_args(argv):
     parser.add_argument("--trace", default="conversation_trace.jsonl", help="the conversation trace (JSONL)")
     parser.add_argument("--start", type=int, default=0, help="conversations beginning at or after this request")
     parser.add_argument("--requests", type=int, default=60, help="requests in the slice")
-    parser.add_argument("--block-tokens", type=int, default=32,
-                        help="tokens per trace block (hash_id): the engines' block size and the conductor's")
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        default=32,
+        help="tokens per trace block (hash_id): the engines' block size and the conductor's",
+    )
     parser.add_argument("--max-output", type=int, default=16, help="cap on output tokens per request")
     parser.add_argument("--time-scale", type=float, default=0.04, help="multiply the trace's inter-arrival times")
     parser.add_argument("--rate", type=float, default=None, help="requests per second instead of the trace's times")
@@ -223,12 +270,19 @@ def parse_args(argv):
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--kv-cache-mib", type=int, default=4, help="KV cache of each engine (1 KiB a token)")
-    parser.add_argument("--prefill-kv-role", default="kv_both", choices=["kv_both", "kv_producer"],
-                        help="the prefill engine's connector role (kv_producer: it never loads from the pool)")
+    parser.add_argument(
+        "--prefill-kv-role",
+        default="kv_both",
+        choices=["kv_both", "kv_producer"],
+        help="the prefill engine's connector role (kv_producer: it never loads from the pool)",
+    )
     parser.add_argument("--dram", default="1GiB", help="the node's DRAM tier")
-    parser.add_argument("--engine-cpus", default="0|1" if (os.cpu_count() or 1) >= 2 else "auto",
-                        help="'|'-separated cores for a setup's first and second engine (VLLM_CPU_OMP_THREADS_BIND), "
-                             "or auto (vLLM's own binding)")
+    parser.add_argument(
+        "--engine-cpus",
+        default="0|1" if (os.cpu_count() or 1) >= 2 else "auto",
+        help="'|'-separated cores for a setup's first and second engine (VLLM_CPU_OMP_THREADS_BIND), "
+        "or auto (vLLM's own binding)",
+    )
     parser.add_argument("--overhead-rounds", type=int, default=5)
     parser.add_argument("--overhead-pairs", type=int, default=20)
     parser.add_argument("--probe-tokens", type=int, default=128, help="prompt length of the router-overhead probes")
@@ -239,8 +293,7 @@ def parse_args(argv):
     if not args.setups or any(s not in ("disaggregated", "colocated") for s in args.setups):
         parser.error("--setups takes disaggregated and/or colocated")
     if args.requests < 1 or args.block_tokens < 32 or args.block_tokens % 32 or args.max_output < 1:
-        parser.error("--requests and --max-output must be >= 1, --block-tokens a multiple of 32 (vLLM's CPU "
-                     "attention)")
+        parser.error("--requests and --max-output must be >= 1, --block-tokens a multiple of 32 (vLLM's CPU attention)")
     return args
 
 
@@ -250,39 +303,73 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     try:
-        requests = build_requests(args.trace, start=args.start, requests=args.requests, block_tokens=args.block_tokens,
-                                  vocab=VOCAB, max_output=args.max_output, time_scale=args.time_scale, rate=args.rate)
+        requests = build_requests(
+            args.trace,
+            start=args.start,
+            requests=args.requests,
+            block_tokens=args.block_tokens,
+            vocab=VOCAB,
+            max_output=args.max_output,
+            time_scale=args.time_scale,
+            rate=args.rate,
+        )
     except (TraceError, ValueError) as exc:
         raise SystemExit(f"bench.serve: {exc}") from None
     longest = max(len(r.prompt) + r.max_tokens for r in requests)
     max_model_len = max(-(-longest // args.block_tokens) * args.block_tokens, args.probe_tokens + 64)
-    kv_per_token = 2 * args.layers * 2 * (args.hidden // 4) * 4   # K and V, 2 KV heads of hidden/4, fp32
+    kv_per_token = 2 * args.layers * 2 * (args.hidden // 4) * 4  # K and V, 2 KV heads of hidden/4, fp32
     if args.kv_cache_mib << 20 < max_model_len * kv_per_token:
-        raise SystemExit(f"bench.serve: --kv-cache-mib {args.kv_cache_mib} cannot hold the slice's longest request "
-                         f"({max_model_len} tokens of {kv_per_token} bytes)")
+        raise SystemExit(
+            f"bench.serve: --kv-cache-mib {args.kv_cache_mib} cannot hold the slice's longest request "
+            f"({max_model_len} tokens of {kv_per_token} bytes)"
+        )
     load_before = [round(x, 2) for x in os.getloadavg()]
     setups: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         logs = os.path.join(tmp, "logs")
         os.makedirs(logs)
-        model = make_tokenizer(make_llama(os.path.join(tmp, "model"), hidden=args.hidden, layers=args.layers,
-                                          vocab=VOCAB, max_positions=max_model_len), vocab=VOCAB)
+        model = make_tokenizer(
+            make_llama(
+                os.path.join(tmp, "model"),
+                hidden=args.hidden,
+                layers=args.layers,
+                vocab=VOCAB,
+                max_positions=max_model_len,
+            ),
+            vocab=VOCAB,
+        )
         for name in args.setups:
             if name == "disaggregated":
-                setups[name] = run_disaggregated(args, model, max_model_len, requests, logs,
-                                                 os.path.join(tmp, "pool"))
+                setups[name] = run_disaggregated(args, model, max_model_len, requests, logs, os.path.join(tmp, "pool"))
             else:
                 setups[name] = run_colocated(args, model, max_model_len, requests, logs)
     config = {k: v for k, v in vars(args).items() if k != "json"}
-    config.update(max_model_len=max_model_len, model={"hidden": args.hidden, "layers": args.layers, "heads": 4,
-                                                       "kv_heads": 2, "vocab": VOCAB, "dtype": "float32"},
-                  slice=slice_info(requests))
+    config.update(
+        max_model_len=max_model_len,
+        model={
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "heads": 4,
+            "kv_heads": 2,
+            "vocab": VOCAB,
+            "dtype": "float32",
+        },
+        slice=slice_info(requests),
+    )
     a, b = setups.get("disaggregated"), setups.get("colocated")
-    result = {"command": "python -m bench.serve " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "date": datetime.date.today().isoformat(), "commit": commit(),
-              "machine": {"nproc": os.cpu_count(), "load_before": load_before,
-                          "load_after": [round(x, 2) for x in os.getloadavg()]},
-              "config": config, "setups": setups, "ratios": ratios(a, b) if a and b else {}}
+    result = {
+        "command": "python -m bench.serve " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.date.today().isoformat(),
+        "commit": commit(),
+        "machine": {
+            "nproc": os.cpu_count(),
+            "load_before": load_before,
+            "load_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "config": config,
+        "setups": setups,
+        "ratios": ratios(a, b) if a and b else {},
+    }
     result["targets"] = targets(result)
     emit(result, args.json, table)
 

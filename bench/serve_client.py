@@ -22,8 +22,15 @@ SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 def body_of(prompt: list[int], max_tokens: int) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 async def stream(session: ClientSession, url: str, body: dict) -> dict:
@@ -51,11 +58,16 @@ async def stream(session: ClientSession, url: str, body: dict) -> dict:
                         error = str(data["error"])[:200]
     except (ClientError, asyncio.TimeoutError) as exc:
         error = repr(exc)
-    out = {"ok": error is None and bool(times), "error": error, "chunks": len(times),
-           "ttft_s": times[0] - start if times else None, "gaps_s": [b - a for a, b in zip(times, times[1:])],
-           "completion_tokens": usage.get("completion_tokens") if usage else None,
-           "prompt_tokens": usage.get("prompt_tokens") if usage else None,
-           "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
+    out = {
+        "ok": error is None and bool(times),
+        "error": error,
+        "chunks": len(times),
+        "ttft_s": times[0] - start if times else None,
+        "gaps_s": [b - a for a, b in zip(times, times[1:])],
+        "completion_tokens": usage.get("completion_tokens") if usage else None,
+        "prompt_tokens": usage.get("prompt_tokens") if usage else None,
+        "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
+    }
     return out
 
 
@@ -63,8 +75,7 @@ def session(timeout_s: float = 600) -> ClientSession:
     """An HTTP client that drops a connection idle for 2 s: vLLM's server closes one idle for 5 s
     (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), and a request sent on it as it closes fails (aiohttp's own
     default keeps idle connections 15 s)."""
-    return ClientSession(connector=TCPConnector(limit=0, keepalive_timeout=2.0),
-                         timeout=ClientTimeout(total=timeout_s))
+    return ClientSession(connector=TCPConnector(limit=0, keepalive_timeout=2.0), timeout=ClientTimeout(total=timeout_s))
 
 
 async def replay(requests, target) -> tuple[list[dict], float]:
@@ -79,8 +90,9 @@ async def replay(requests, target) -> tuple[list[dict], float]:
                 await asyncio.sleep(delay)
             late = time.perf_counter() - start - request.arrival_s
             record = await stream(http, target(n), body_of(request.prompt, request.max_tokens))
-            return dict(record, index=request.index, prompt_len=len(request.prompt), max_tokens=request.max_tokens,
-                        late_s=late)
+            return dict(
+                record, index=request.index, prompt_len=len(request.prompt), max_tokens=request.max_tokens, late_s=late
+            )
 
         records = await asyncio.gather(*(one(n, r) for n, r in enumerate(requests)))
         return list(records), time.perf_counter() - start
@@ -128,11 +140,17 @@ def latency_summary(records: list[dict], ttft_slo_s: float, tbt_slo_s: float) ->
     meets_tbt = [r for r in ok if not r["gaps_s"] or percentile(r["gaps_s"], 90) <= tbt_slo_s]
     both = [r for r in meets_ttft if r in meets_tbt]
     ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
-    return {"requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
-            "errors": sorted({r["error"] for r in records if r["error"]})[:5],
-            "ttft_ms": {"p50": ms(percentile(ttfts, 50)), "p90": ms(percentile(ttfts, 90))},
-            "tbt_ms": {"p50": ms(percentile(gaps, 50)), "p90": ms(percentile(gaps, 90))},
-            "meet_ttft_slo": len(meets_ttft), "meet_tbt_slo": len(meets_tbt), "meet_both_slos": len(both),
-            "output_tokens": sum(r["completion_tokens"] or 0 for r in ok),
-            "merged_chunks": sum((r["completion_tokens"] or r["chunks"]) - r["chunks"] for r in ok),
-            "max_late_s": round(max((r["late_s"] for r in records), default=0.0), 3)}
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r["error"] for r in records if r["error"]})[:5],
+        "ttft_ms": {"p50": ms(percentile(ttfts, 50)), "p90": ms(percentile(ttfts, 90))},
+        "tbt_ms": {"p50": ms(percentile(gaps, 50)), "p90": ms(percentile(gaps, 90))},
+        "meet_ttft_slo": len(meets_ttft),
+        "meet_tbt_slo": len(meets_tbt),
+        "meet_both_slos": len(both),
+        "output_tokens": sum(r["completion_tokens"] or 0 for r in ok),
+        "merged_chunks": sum((r["completion_tokens"] or r["chunks"]) - r["chunks"] for r in ok),
+        "max_late_s": round(max((r["late_s"] for r in records), default=0.0), 3),
+    }

@@ -29,8 +29,15 @@ PROBE_OUTPUT = 4
 
 async def direct(http, prefill_url: str, decode_url: str, prompt: list[int], indexed) -> dict:
     start = time.perf_counter()
-    job = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
-           "stream": False, "n": 1}
+    job = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": False,
+        "n": 1,
+    }
     async with http.post(f"{prefill_url}/v1/completions", json=job) as resp:
         await resp.read()
         if resp.status != 200:
@@ -66,7 +73,7 @@ async def rounds(router_url: str, prefill_url: str, decode_url: str, indexed, ar
     rng = random.Random(args.seed + 2)
     out = []
     async with session() as http:
-        warm = [rng.randrange(3, 1000) for _ in range(args.probe_tokens)]   # the direct path's first calls
+        warm = [rng.randrange(3, 1000) for _ in range(args.probe_tokens)]  # the direct path's first calls
         await direct(http, prefill_url, decode_url, warm, indexed)
         for _ in range(args.overhead_rounds):
             diffs, router_ttft, direct_ttft = [], [], []
@@ -83,9 +90,14 @@ async def rounds(router_url: str, prefill_url: str, decode_url: str, indexed, ar
                     router_ttft.append(runs["router"]["ttft_s"])
                     direct_ttft.append(runs["direct"]["ttft_s"])
                     diffs.append(runs["router"]["ttft_s"] - runs["direct"]["ttft_s"])
-            out.append({"pairs": len(diffs), "added_p50_ms": _ms(percentile(diffs, 50)),
-                        "router_ttft_p50_ms": _ms(percentile(router_ttft, 50)),
-                        "direct_ttft_p50_ms": _ms(percentile(direct_ttft, 50))})
+            out.append(
+                {
+                    "pairs": len(diffs),
+                    "added_p50_ms": _ms(percentile(diffs, 50)),
+                    "router_ttft_p50_ms": _ms(percentile(router_ttft, 50)),
+                    "direct_ttft_p50_ms": _ms(percentile(direct_ttft, 50)),
+                }
+            )
     return out
 
 
@@ -100,6 +112,10 @@ def router_overhead(router_url: str, prefill_url: str, decode_url: str, master: 
     finally:
         client.close()
     added = [r["added_p50_ms"] for r in per_round if r["added_p50_ms"] is not None]
-    return {"probe_tokens": args.probe_tokens, "output_tokens": PROBE_OUTPUT, "rounds": per_round,
-            "added_ttft_p50_ms": round(statistics.median(added), 2) if added else None,
-            "range_ms": [min(added), max(added)] if added else [None, None]}
+    return {
+        "probe_tokens": args.probe_tokens,
+        "output_tokens": PROBE_OUTPUT,
+        "rounds": per_round,
+        "added_ttft_p50_ms": round(statistics.median(added), 2) if added else None,
+        "range_ms": [min(added), max(added)] if added else [None, None],
+    }

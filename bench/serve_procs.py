@@ -34,10 +34,16 @@ class Proc:
     def __init__(self, name: str, argv: list[str], log_path: str, env: dict | None = None, stdout=None):
         self.name, self.log_path = name, log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ if env is None else env,
-                                                              PYTHONPATH=ROOT, PYTHONUNBUFFERED="1"),
-                                     stdout=stdout or self._log, stderr=self._log, text=True,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=dict(os.environ if env is None else env, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1"),
+            stdout=stdout or self._log,
+            stderr=self._log,
+            text=True,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
     def failure(self, what: str) -> RuntimeError:
         self._log.flush()
@@ -75,14 +81,33 @@ def start_pool(tmp: str, block_tokens: int, dram: str, logs: str) -> tuple[list[
     config = os.path.join(tmp, "master.toml")
     with open(config, "w") as f:
         f.write(f"[cost_model]\nblock_tokens = {block_tokens}\n")
-    master, record = kvstore_service("master", ["master", "--port", "0", "--metrics-port", "-1", "--config", config],
-                                     os.path.join(logs, "master.log"))
+    master, record = kvstore_service(
+        "master",
+        ["master", "--port", "0", "--metrics-port", "-1", "--config", config],
+        os.path.join(logs, "master.log"),
+    )
     procs = [master]
     try:
         address = record["master"]
-        node, _ = kvstore_service("node", ["node", "--master", address, "--port", "0", "--metrics-port", "-1",
-                                           "--data-dir", os.path.join(tmp, "node"), "--dram", dram, "--ssd", "0"],
-                                  os.path.join(logs, "node.log"))
+        node, _ = kvstore_service(
+            "node",
+            [
+                "node",
+                "--master",
+                address,
+                "--port",
+                "0",
+                "--metrics-port",
+                "-1",
+                "--data-dir",
+                os.path.join(tmp, "node"),
+                "--dram",
+                dram,
+                "--ssd",
+                "0",
+            ],
+            os.path.join(logs, "node.log"),
+        )
         procs.append(node)
     except BaseException:
         for p in procs:
@@ -92,8 +117,11 @@ def start_pool(tmp: str, block_tokens: int, dram: str, logs: str) -> tuple[list[
 
 
 def start_router(master: str, logs: str) -> tuple[Proc, str]:
-    proc, record = kvstore_service("router", ["router", "--master", master, "--port", "0", "--read-timeout", "120"],
-                                   os.path.join(logs, "router.log"))
+    proc, record = kvstore_service(
+        "router",
+        ["router", "--master", master, "--port", "0", "--read-timeout", "120"],
+        os.path.join(logs, "router.log"),
+    )
     return proc, record["router"]
 
 
@@ -102,17 +130,46 @@ class Engine(Proc):
     (master, kv_role, role) attaches kvstore's connector with a conductor role; None: a plain engine.
     ``cpus``: ``VLLM_CPU_OMP_THREADS_BIND`` (the cores its OpenMP threads are bound to)."""
 
-    def __init__(self, name: str, model: str, logs: str, *, block_size: int, max_model_len: int,
-                 kv_cache_bytes: int, pool: tuple[str, str, str] | None = None, cpus: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        logs: str,
+        *,
+        block_size: int,
+        max_model_len: int,
+        kv_cache_bytes: int,
+        pool: tuple[str, str, str] | None = None,
+        cpus: str | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = name
         kv_transfer_config = None if pool is None else self.connector(*pool)
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                "--served-model-name", "tiny", "--dtype", "float32", "--block-size", str(block_size),
-                "--enforce-eager", "--port", str(self.port), "--host", "127.0.0.1",
-                "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes),
-                "--enable-prompt-tokens-details", "--enable-prefix-caching"]
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--served-model-name",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(block_size),
+            "--enforce-eager",
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--max-model-len",
+            str(max_model_len),
+            "--kv-cache-memory-bytes",
+            str(kv_cache_bytes),
+            "--enable-prompt-tokens-details",
+            "--enable-prefix-caching",
+        ]
         if kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         env = dict(os.environ)
@@ -121,10 +178,19 @@ class Engine(Proc):
         super().__init__(name, argv, os.path.join(logs, name + ".log"), env=env)
 
     def connector(self, master: str, kv_role: str, role: str) -> dict:
-        return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore_client.vllm",
-                "kv_role": kv_role, "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"master": master, "role": role, "engine_url": self.url,
-                                              "engine_id": self.name, "load_report_interval": 0.2}}
+        return {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore_client.vllm",
+            "kv_role": kv_role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "master": master,
+                "role": role,
+                "engine_url": self.url,
+                "engine_id": self.name,
+                "load_report_interval": 0.2,
+            },
+        }
 
 
 def wait_ready(procs: list[Proc], url_of, timeout: float = 600) -> None:

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 from bench.trace import read_trace
 
-TRACE_BLOCK = 512   # tokens per hash id in the published trace
-FIRST_TOKEN = 3     # make_tokenizer's ids 0-2 are <unk>, <s>, </s>
+TRACE_BLOCK = 512  # tokens per hash id in the published trace
+FIRST_TOKEN = 3  # make_tokenizer's ids 0-2 are <unk>, <s>, </s>
 
 
 @dataclass(frozen=True)
 class Request:
-    index: int              # position in the trace (timestamp order)
-    arrival_s: float        # seconds after the replay starts
+    index: int  # position in the trace (timestamp order)
+    arrival_s: float  # seconds after the replay starts
     prompt: list[int]
     max_tokens: int
     hash_ids: tuple[int, ...]
@@ -67,8 +67,17 @@ def prompt_of(request: dict, block_tokens: int, vocab: int) -> list[int]:
     return tokens[:length]
 
 
-def build_requests(trace_path: str, *, start: int, requests: int, block_tokens: int, vocab: int, max_output: int,
-                   time_scale: float, rate: float | None) -> list[Request]:
+def build_requests(
+    trace_path: str,
+    *,
+    start: int,
+    requests: int,
+    block_tokens: int,
+    vocab: int,
+    max_output: int,
+    time_scale: float,
+    rate: float | None,
+) -> list[Request]:
     trace = read_trace(trace_path, ("input_length", "output_length"))
     picked = conversation_slice(trace, start, requests)
     if not picked:
@@ -77,8 +86,15 @@ def build_requests(trace_path: str, *, start: int, requests: int, block_tokens: 
     out = []
     for n, r in enumerate(picked):
         arrival = n / rate if rate else (r["timestamp"] - t0) / 1000 * time_scale
-        out.append(Request(r["index"], arrival, prompt_of(r, block_tokens, vocab),
-                           max(1, min(r["output_length"], max_output)), tuple(r["hash_ids"])))
+        out.append(
+            Request(
+                r["index"],
+                arrival,
+                prompt_of(r, block_tokens, vocab),
+                max(1, min(r["output_length"], max_output)),
+                tuple(r["hash_ids"]),
+            )
+        )
     return out
 
 

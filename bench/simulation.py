@@ -123,13 +123,13 @@ class SimDecode:
         self.v = 0.0
         self.t = 0.0
         self.tokens = 0
-        self.finish: list = []          # heap of (finish v, rid)
-        self.active: dict = {}          # rid -> tokens
-        self.waiting: deque = deque()   # (rid, tokens, output_len)
+        self.finish: list = []  # heap of (finish v, rid)
+        self.active: dict = {}  # rid -> tokens
+        self.waiting: deque = deque()  # (rid, tokens, output_len)
         self.version = 0
         self.busy_s = 0.0
         self.over_slo_s = 0.0
-        self.waits: list = []           # seconds each request waited for HBM room
+        self.waits: list = []  # seconds each request waited for HBM room
 
     def advance(self, now: float) -> None:
         dt = now - self.t
@@ -175,7 +175,7 @@ class SimResult:
     decodes: list
     nodes: list
     wasted_prefill_s: float = 0.0
-    samples: list = field(default_factory=list)   # (t, decode pool load, mean prefill queue s)
+    samples: list = field(default_factory=list)  # (t, decode pool load, mean prefill queue s)
     end_time: float = 0.0
 
 
@@ -185,8 +185,16 @@ ARRIVE, PREFILL_DONE, DECODE_TICK, SAMPLE = range(4)
 class Simulation:
     """Replays requests through a Conductor with ``prefill`` + ``decode`` simulated instances."""
 
-    def __init__(self, conductor: Conductor, clock: SimClock, prefill: int, decode: int, cache_blocks: int,
-                 eviction: str = "lru", sample_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        conductor: Conductor,
+        clock: SimClock,
+        prefill: int,
+        decode: int,
+        cache_blocks: int,
+        eviction: str = "lru",
+        sample_s: float = 10.0,
+    ) -> None:
         self.conductor, self.clock, self.cost = conductor, clock, conductor.cost
         index, ns = conductor.index, conductor.namespace
         self.nodes = [SimNode(f"node-p{i}", cache_blocks, eviction, index, ns) for i in range(prefill)]
@@ -241,7 +249,7 @@ class Simulation:
             return
         r.decision = d
         inst = self.prefills[d.prefill]
-        inst.node.read(r.digests[:d.local_blocks])
+        inst.node.read(r.digests[: d.local_blocks])
         if d.fetch_blocks:
             self.node_by_id[d.fetch_from].read(d.fetch_blocks)
             inst.node.store(d.fetch_blocks, d.local_blocks)  # hotspot migration: replicate to the chosen node

@@ -48,7 +48,7 @@ JUDGED = ("rss_anon", "rss_file", "fds", "threads")
 def value_of(i: int) -> bytes:
     """The one value key ``i`` ever has: 128-256 KiB of a pattern of its index."""
     size = 128 * KiB + (i * 7919 % 128) * KiB
-    return (i.to_bytes(4, "little") * 8 + bytes(range(256))[: 32]) * (size // 64)
+    return (i.to_bytes(4, "little") * 8 + bytes(range(256))[:32]) * (size // 64)
 
 
 def client_process(master: str, clients: int, seed: int, stop, out) -> None:
@@ -180,8 +180,9 @@ def run(minutes: float, clients: int, interval: float, seed: int, workdir: Path)
         "working_set_mib": round(sum(len(value_of(i)) for i in range(KEYS)) / MiB),
         "pool_dram_mib": 64,
         "ops": ops,
-        "ops_per_s": round(sum(v for k, v in ops.items() if k not in ("get_missing", "wrong_value", "errors"))
-                           / elapsed, 1),
+        "ops_per_s": round(
+            sum(v for k, v in ops.items() if k not in ("get_missing", "wrong_value", "errors")) / elapsed, 1
+        ),
         "wrong_values": ops.get("wrong_value", 0),
         "errors": ops.get("errors", 0),
         "error_samples": result["errors"],
@@ -189,30 +190,40 @@ def run(minutes: float, clients: int, interval: float, seed: int, workdir: Path)
         "tracebacks": tracebacks,
         "processes": processes,
         "verdict": "flat after warm-up" if flat else "not flat",
-        "how": ("per process and series (rss_anon, rss_file, fds, threads): least-squares slope over the second "
-                f"half of the samples x that half's length < max({FLAT_BYTES // MiB} MiB, "
-                f"{FLAT_FRACTION:.0%} of the mean) for memory, < {FLAT_COUNT} for fds and threads"),
+        "how": (
+            "per process and series (rss_anon, rss_file, fds, threads): least-squares slope over the second "
+            f"half of the samples x that half's length < max({FLAT_BYTES // MiB} MiB, "
+            f"{FLAT_FRACTION:.0%} of the mean) for memory, < {FLAT_COUNT} for fds and threads"
+        ),
     }
 
 
 def table(r: dict) -> str:
-    lines = [f"{r['seconds']} s, {r['clients']} clients, working set {r['working_set_mib']} MiB over "
-             f"{r['pool_dram_mib']} MiB of DRAM; ops {r['ops']} ({r['ops_per_s']}/s); wrong values "
-             f"{r['wrong_values']}, errors {r['errors']}, crashed {r['crashed']}, tracebacks {r['tracebacks']}", "",
-             "| process | anon MiB first / mid / last | file MiB | shmem MiB | fds | threads | growth over 2nd half (anon MiB, fds) | flat |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{r['seconds']} s, {r['clients']} clients, working set {r['working_set_mib']} MiB over "
+        f"{r['pool_dram_mib']} MiB of DRAM; ops {r['ops']} ({r['ops_per_s']}/s); wrong values "
+        f"{r['wrong_values']}, errors {r['errors']}, crashed {r['crashed']}, tracebacks {r['tracebacks']}",
+        "",
+        "| process | anon MiB first / mid / last | file MiB | shmem MiB | fds | threads | growth over 2nd half (anon MiB, fds) | flat |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, p in r["processes"].items():
         s = p["samples"]
         if not s:
             continue
         a, m, z = s[0], s[len(s) // 2], s[-1]
         v = p["verdict"].get("series", {})
-        growth = (f"{v['rss_anon']['growth_over_second_half'] / MiB:.1f}, {v['fds']['growth_over_second_half']:.1f}"
-                  if v else "-")
-        lines.append(f"| {name} | {a['rss_anon'] / MiB:.0f} / {m['rss_anon'] / MiB:.0f} / {z['rss_anon'] / MiB:.0f} | "
-                     f"{a['rss_file'] / MiB:.0f} / {z['rss_file'] / MiB:.0f} | {a['rss_shmem'] / MiB:.0f} / "
-                     f"{z['rss_shmem'] / MiB:.0f} | {a['fds']} / {z['fds']} | {a['threads']} / {z['threads']} | "
-                     f"{growth} | {p['verdict']['flat']} |")
+        growth = (
+            f"{v['rss_anon']['growth_over_second_half'] / MiB:.1f}, {v['fds']['growth_over_second_half']:.1f}"
+            if v
+            else "-"
+        )
+        lines.append(
+            f"| {name} | {a['rss_anon'] / MiB:.0f} / {m['rss_anon'] / MiB:.0f} / {z['rss_anon'] / MiB:.0f} | "
+            f"{a['rss_file'] / MiB:.0f} / {z['rss_file'] / MiB:.0f} | {a['rss_shmem'] / MiB:.0f} / "
+            f"{z['rss_shmem'] / MiB:.0f} | {a['fds']} / {z['fds']} | {a['threads']} / {z['threads']} | "
+            f"{growth} | {p['verdict']['flat']} |"
+        )
     lines += ["", f"verdict: {r['verdict']} ({r['how']})"]
     return "\n".join(lines)
 

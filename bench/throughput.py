@@ -18,11 +18,13 @@ from kvstore.units import parse_size
 
 def _choices(allowed):
     """An argparse type: the comma-separated items of ``allowed``."""
+
     def parse(text: str) -> list[str]:
         try:
             return parse_list(text, allowed)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+
     return parse
 
 
@@ -49,11 +51,19 @@ def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)  # string defaults go through their type too: ops, transports are lists
     try:
-        settings = Settings(sizes=[parse_size(s) for s in parse_list(args.sizes)], ops=args.ops,
-                            transports=args.transports, clients=[int(c) for c in parse_list(args.clients)],
-                            bytes_per_client=parse_size(args.bytes), batch=args.batch, rounds=args.rounds,
-                            master=args.master, dram=parse_size(args.dram) if args.dram else None,
-                            redis=not args.no_redis, progress=not args.quiet)
+        settings = Settings(
+            sizes=[parse_size(s) for s in parse_list(args.sizes)],
+            ops=args.ops,
+            transports=args.transports,
+            clients=[int(c) for c in parse_list(args.clients)],
+            bytes_per_client=parse_size(args.bytes),
+            batch=args.batch,
+            rounds=args.rounds,
+            master=args.master,
+            dram=parse_size(args.dram) if args.dram else None,
+            redis=not args.no_redis,
+            progress=not args.quiet,
+        )
     except ValueError as exc:  # ConfigError from parse_size included
         p.error(str(exc))
     if args.shm_dir:

@@ -32,8 +32,15 @@ MODES = {"keep": True, "drop": False}
 
 
 def make_store(directory: str, mode: str, dram: int, ssd: int, size: int) -> BlockStore:
-    return BlockStore(StoreConfig(dram_capacity=dram, ssd_path=f"{directory}/{mode}", ssd_capacity=ssd,
-                                  max_block_bytes=size, keep_ssd_copy=MODES[mode]))
+    return BlockStore(
+        StoreConfig(
+            dram_capacity=dram,
+            ssd_path=f"{directory}/{mode}",
+            ssd_capacity=ssd,
+            max_block_bytes=size,
+            keep_ssd_copy=MODES[mode],
+        )
+    )
 
 
 def fill(store: BlockStore, keys: list, size: int) -> None:
@@ -74,11 +81,15 @@ def run(blocks: int, size: int, dram: int, ssd: int, rounds: int, patterns: list
                             rates[mode].append(rate)
                             writes[mode].append(wrote / len(order))
                 results[pattern] = {
-                    mode: {"reads_per_s": round(statistics.median(rates[mode])),
-                           "ssd_bytes_written_per_read": round(statistics.median(writes[mode]))}
-                    for mode in MODES}
+                    mode: {
+                        "reads_per_s": round(statistics.median(rates[mode])),
+                        "ssd_bytes_written_per_read": round(statistics.median(writes[mode])),
+                    }
+                    for mode in MODES
+                }
                 results[pattern]["keep_vs_drop_reads"] = round(
-                    statistics.median(a / b for a, b in zip(rates["keep"], rates["drop"])), 3)
+                    statistics.median(a / b for a, b in zip(rates["keep"], rates["drop"])), 3
+                )
         finally:
             for store in stores.values():
                 store.close()
@@ -97,13 +108,31 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     size = parse_size(args.size)
     patterns = [p for p in args.patterns.split(",") if p]
-    result = {"blocks": args.blocks, "size": args.size, "dram": args.dram, "ssd": args.ssd,
-              "results": run(args.blocks, size, parse_size(args.dram), parse_size(args.ssd), args.rounds, patterns)}
-    rows = [[pattern, mode, r[mode]["reads_per_s"], r[mode]["ssd_bytes_written_per_read"] / size,
-             r["keep_vs_drop_reads"] if mode == "keep" else ""]
-            for pattern, r in result["results"].items() for mode in MODES]
-    emit(result, args.json, lambda _: markdown_table(
-        ["pattern", "SSD copy on promotion", "reads/s", "SSD writes per read (blocks)", "reads/s keep / drop"], rows))
+    result = {
+        "blocks": args.blocks,
+        "size": args.size,
+        "dram": args.dram,
+        "ssd": args.ssd,
+        "results": run(args.blocks, size, parse_size(args.dram), parse_size(args.ssd), args.rounds, patterns),
+    }
+    rows = [
+        [
+            pattern,
+            mode,
+            r[mode]["reads_per_s"],
+            r[mode]["ssd_bytes_written_per_read"] / size,
+            r["keep_vs_drop_reads"] if mode == "keep" else "",
+        ]
+        for pattern, r in result["results"].items()
+        for mode in MODES
+    ]
+    emit(
+        result,
+        args.json,
+        lambda _: markdown_table(
+            ["pattern", "SSD copy on promotion", "reads/s", "SSD writes per read (blocks)", "reads/s keep / drop"], rows
+        ),
+    )
 
 
 if __name__ == "__main__":

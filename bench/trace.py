@@ -58,8 +58,9 @@ def read_trace(path: str, fields=BASE_FIELDS, limit: int | None = None) -> list[
                 try:
                     request = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise TraceError(f"{path}:{number}: not a JSON object ({exc.msg} at column {exc.colno}; "
-                                     "a truncated line?)") from None
+                    raise TraceError(
+                        f"{path}:{number}: not a JSON object ({exc.msg} at column {exc.colno}; a truncated line?)"
+                    ) from None
                 problem = _check(request, fields)
                 if problem:
                     raise TraceError(f"{path}:{number}: {problem}")

@@ -21,9 +21,19 @@ import sys
 import time
 
 
-def make_llama(path: str, *, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-               intermediate: int | None = None, vocab: int = 1000, max_positions: int = 8192, seed: int = 0,
-               init_scale: float = 0.1) -> str:
+def make_llama(
+    path: str,
+    *,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    vocab: int = 1000,
+    max_positions: int = 8192,
+    seed: int = 0,
+    init_scale: float = 0.1,
+) -> str:
     """Save a randomly initialised Llama of this shape at ``path`` (safetensors, fp32).
 
     ``init_scale`` (the weights' standard deviation) is well above a trained model's 0.02 so
@@ -31,10 +41,17 @@ def make_llama(path: str, *, hidden: int = 128, layers: int = 2, heads: int = 4,
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=max_positions, initializer_range=init_scale,
-                         torch_dtype="float32")
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        initializer_range=init_scale,
+        torch_dtype="float32",
+    )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
@@ -51,19 +68,24 @@ def make_tokenizer(path: str, vocab: int = 1000) -> str:
     words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
     tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     fast.save_pretrained(path)
     return path
 
 
 def connector_config(master: str, *, role: str = "kv_both", **extra) -> dict:
     """The ``kv_transfer_config`` that attaches kvstore's connector to a pool at ``master``."""
-    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore_client.vllm",
-            "kv_role": role, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"master": master, **extra}}
+    return {
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore_client.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"master": master, **extra},
+    }
 
 
 def build_engine(args: argparse.Namespace):
@@ -72,28 +94,46 @@ def build_engine(args: argparse.Namespace):
     kv_transfer_config = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None
     if args.master:
         kv_transfer_config = connector_config(args.master, role=args.role, **json.loads(args.extra or "{}"))
-    return LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.1,
-               kv_cache_memory_bytes=args.kv_cache_bytes, block_size=args.block_size, dtype=args.dtype,
-               max_model_len=args.max_model_len,
-               enable_prefix_caching=not args.no_prefix_caching, prefix_caching_hash_algo=args.hash_algo,
-               kv_transfer_config=kv_transfer_config, tensor_parallel_size=args.tensor_parallel_size,
-               seed=0)
+    return LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        gpu_memory_utilization=0.1,
+        kv_cache_memory_bytes=args.kv_cache_bytes,
+        block_size=args.block_size,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        prefix_caching_hash_algo=args.hash_algo,
+        kv_transfer_config=kv_transfer_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        seed=0,
+    )
 
 
 def answer(llm, job: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=job.get("max_tokens", 8), temperature=0, logprobs=job.get("logprobs", 1),
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=job.get("max_tokens", 8), temperature=0, logprobs=job.get("logprobs", 1), ignore_eos=True
+    )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "connector": connector_stats(), "outputs": [
-        {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
-         "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])]}
-        for o in outputs]}
+    return {
+        "seconds": seconds,
+        "connector": connector_stats(),
+        "outputs": [
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "cached": o.num_cached_tokens,
+                "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])],
+            }
+            for o in outputs
+        ],
+    }
 
 
 def connector_stats() -> dict | None:
@@ -140,8 +180,15 @@ class EngineProcess:
     if it lingers). ``python`` runs it under another environment's interpreter (another
     connector's, e.g. ``bench.peers``): this module needs only vLLM there, not kvstore."""
 
-    def __init__(self, args: list[str], log_path: str, *, env: dict | None = None, start_timeout: float = 300,
-                 python: str | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: str,
+        *,
+        env: dict | None = None,
+        start_timeout: float = 300,
+        python: str | None = None,
+    ):
         import subprocess
 
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,8 +197,15 @@ class EngineProcess:
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([python or sys.executable, "-m", "bench.vllm_engine", *args], cwd=root, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.proc = subprocess.Popen(
+            [python or sys.executable, "-m", "bench.vllm_engine", *args],
+            cwd=root,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
         self.ready = self._read(start_timeout)
 
     def _read(self, timeout: float) -> dict:

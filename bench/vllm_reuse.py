@@ -47,10 +47,30 @@ TARGETS = {"hit_vs_recompute_4k": 0.2, "load_vs_memcpy": 0.5, "save_overhead": 0
 def start_pool(tmp: str, dram: str) -> tuple[subprocess.Popen, str]:
     """``kvstore up`` (master and one node, DRAM only) on free loopback ports; (process, master).
     It ends with the benchmark, even one that is killed (engines end when their stdin closes)."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "up", "--port", "0", "--data-port", "0",
-                             "--metrics-port", "-1", "--data-dir", os.path.join(tmp, "pool"), "--dram", dram,
-                             "--ssd", "0", "--json"], stdout=subprocess.PIPE, text=True,
-                            preexec_fn=die_with_parent)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "up",
+            "--port",
+            "0",
+            "--data-port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--data-dir",
+            os.path.join(tmp, "pool"),
+            "--dram",
+            dram,
+            "--ssd",
+            "0",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=die_with_parent,
+    )
     line = proc.stdout.readline()
     if not line:
         raise SystemExit("kvstore up did not start")
@@ -91,9 +111,18 @@ def load_path(master: str, *, layers: int, blocks: int, slab_shape: tuple, dtype
     target = [torch.zeros(total_blocks, *slab_shape, dtype=torch_dtype) for _ in range(layers)]
     slab = source[0][0].nbytes
     total = slab * blocks * layers
-    layout = KVLayout(model="load-path", revision=str(time.time_ns()), kv_dtype=dtype, block_size=slab_shape[1],
-                      num_kv_heads=slab_shape[0], head_size=slab_shape[2], num_layers=layers, tp_size=1,
-                      device="cpu", hash_algo="sha256")
+    layout = KVLayout(
+        model="load-path",
+        revision=str(time.time_ns()),
+        kv_dtype=dtype,
+        block_size=slab_shape[1],
+        num_kv_heads=slab_shape[0],
+        head_size=slab_shape[2],
+        num_layers=layers,
+        tp_size=1,
+        device="cpu",
+        hash_algo="sha256",
+    )
     naming = PoolNaming("bench", layout)
     hashes = [i.to_bytes(32, "big") for i in range(blocks)]
     transfer = [BlockTransfer("r", list(range(blocks)), hashes, 0)]
@@ -106,8 +135,9 @@ def load_path(master: str, *, layers: int, blocks: int, slab_shape: tuple, dtype
         for layer in range(layers):
             saver.save_layer(layer, transfer)
         saver.finish_saves()
-        client.batch_put(whole_keys, [torch.stack([source[l][b] for l in range(layers)]).contiguous()
-                                      for b in range(blocks)])
+        client.batch_put(
+            whole_keys, [torch.stack([source[l][b] for l in range(layers)]).contiguous() for b in range(blocks)]
+        )
         deadline = time.monotonic() + 10
         while client.match_prefix(naming.keys(layers - 1, hashes)).longest < blocks and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -145,15 +175,23 @@ def load_path(master: str, *, layers: int, blocks: int, slab_shape: tuple, dtype
         loader.close()
         saver.close()
     gbps = {name: total / statistics.median(s) / 1e9 for name, s in seconds.items()}
-    return {"bytes": total, "slab_bytes": slab, "gbps": gbps,
-            "per_layer_vs_memcpy": gbps["per_layer"] / gbps["memcpy"],
-            "whole_block_vs_memcpy": gbps["whole_block"] / gbps["memcpy"]}
+    return {
+        "bytes": total,
+        "slab_bytes": slab,
+        "gbps": gbps,
+        "per_layer_vs_memcpy": gbps["per_layer"] / gbps["memcpy"],
+        "whole_block_vs_memcpy": gbps["whole_block"] / gbps["memcpy"],
+    }
 
 
 def median_path(runs: list[dict]) -> dict:
     """One load-path record from several: the medians, and each ratio's range."""
-    out = {"bytes": runs[0]["bytes"], "slab_bytes": runs[0]["slab_bytes"], "runs": len(runs),
-           "gbps": {name: median([r["gbps"][name] for r in runs]) for name in runs[0]["gbps"]}}
+    out = {
+        "bytes": runs[0]["bytes"],
+        "slab_bytes": runs[0]["slab_bytes"],
+        "runs": len(runs),
+        "gbps": {name: median([r["gbps"][name] for r in runs]) for name in runs[0]["gbps"]},
+    }
     for ratio in ("per_layer_vs_memcpy", "whole_block_vs_memcpy"):
         values = [r[ratio] for r in runs]
         out[ratio], out[ratio + "_range"] = median(values), [min(values), max(values)]
@@ -162,8 +200,18 @@ def median_path(runs: list[dict]) -> dict:
 
 # -- engines ----------------------------------------------------------------------------------------
 def engine_args(args, model: str, **more) -> list[str]:
-    out = ["--model", model, "--dtype", args.dtype, "--block-size", str(args.block_size),
-           "--max-model-len", str(max(args.lengths) + 64), "--kv-cache-bytes", str(args.kv_cache_bytes)]
+    out = [
+        "--model",
+        model,
+        "--dtype",
+        args.dtype,
+        "--block-size",
+        str(args.block_size),
+        "--max-model-len",
+        str(max(args.lengths) + 64),
+        "--kv-cache-bytes",
+        str(args.kv_cache_bytes),
+    ]
     for flag, value in more.items():
         out += [f"--{flag.replace('_', '-')}", value]
     return out
@@ -180,8 +228,11 @@ def measure(args, engines: dict, vocab: int) -> dict:
         if name == "consumer" and stats:
             before = loaded.get(name, (0, 0.0))
             loaded[name] = (stats["loaded_bytes"], stats["load_seconds"])
-            answer["load_gbps"] = ((loaded[name][0] - before[0]) / (loaded[name][1] - before[1]) / 1e9
-                                   if loaded[name][1] > before[1] else None)
+            answer["load_gbps"] = (
+                (loaded[name][0] - before[0]) / (loaded[name][1] - before[1]) / 1e9
+                if loaded[name][1] > before[1]
+                else None
+            )
         return answer
 
     for name in engines:  # first requests pay one-time costs: not measured
@@ -236,40 +287,70 @@ def fmt(value, spec: str = ".3f") -> str:
 
 
 def table(result: dict) -> str:
-    header = ["prompt", "recompute s", "kvstore hit s", "x recompute", "pool tokens", "same", "LMCache hit s",
-              "x recompute", "LMCache tokens", "producer miss", "saving cost", "in-engine load GB/s"]
-    rows = [[r["prompt_tokens"], fmt(r["recompute_s"]), fmt(r.get("consumer_hit_s")),
-             fmt(r.get("consumer_hit_vs_recompute")), fmt(r.get("consumer_cached_tokens"), ".0f"),
-             fmt(r.get("consumer_same_output")), fmt(r.get("lmcache_consumer_hit_s")),
-             fmt(r.get("lmcache_consumer_hit_vs_recompute")), fmt(r.get("lmcache_consumer_cached_tokens"), ".0f"),
-             fmt(r.get("producer_miss_s")), fmt(r.get("producer_miss_vs_plain", 1.0) - 1, "+.1%"),
-             fmt(r.get("consumer_load_gbps"), ".2f")] for r in result["ttft"]]
+    header = [
+        "prompt",
+        "recompute s",
+        "kvstore hit s",
+        "x recompute",
+        "pool tokens",
+        "same",
+        "LMCache hit s",
+        "x recompute",
+        "LMCache tokens",
+        "producer miss",
+        "saving cost",
+        "in-engine load GB/s",
+    ]
+    rows = [
+        [
+            r["prompt_tokens"],
+            fmt(r["recompute_s"]),
+            fmt(r.get("consumer_hit_s")),
+            fmt(r.get("consumer_hit_vs_recompute")),
+            fmt(r.get("consumer_cached_tokens"), ".0f"),
+            fmt(r.get("consumer_same_output")),
+            fmt(r.get("lmcache_consumer_hit_s")),
+            fmt(r.get("lmcache_consumer_hit_vs_recompute")),
+            fmt(r.get("lmcache_consumer_cached_tokens"), ".0f"),
+            fmt(r.get("producer_miss_s")),
+            fmt(r.get("producer_miss_vs_plain", 1.0) - 1, "+.1%"),
+            fmt(r.get("consumer_load_gbps"), ".2f"),
+        ]
+        for r in result["ttft"]
+    ]
     lp = result["load_path"]
     lines = [markdown_table(header, rows), ""] if rows else []
-    lines += [f"Load path ({lp['bytes'] >> 20} MiB, {lp['slab_bytes'] >> 10} KiB slabs, medians of {lp['runs']} runs): "
-             f"per layer {lp['gbps']['per_layer']:.2f} GB/s ({lp['per_layer_vs_memcpy']:.2f}x memcpy, "
-             f"{lp['per_layer_vs_memcpy_range'][0]:.2f}-{lp['per_layer_vs_memcpy_range'][1]:.2f}), "
-             f"whole block + staging copy {lp['gbps']['whole_block']:.2f} GB/s "
-             f"({lp['whole_block_vs_memcpy']:.2f}x), memcpy {lp['gbps']['memcpy']:.2f} GB/s"]
+    lines += [
+        f"Load path ({lp['bytes'] >> 20} MiB, {lp['slab_bytes'] >> 10} KiB slabs, medians of {lp['runs']} runs): "
+        f"per layer {lp['gbps']['per_layer']:.2f} GB/s ({lp['per_layer_vs_memcpy']:.2f}x memcpy, "
+        f"{lp['per_layer_vs_memcpy_range'][0]:.2f}-{lp['per_layer_vs_memcpy_range'][1]:.2f}), "
+        f"whole block + staging copy {lp['gbps']['whole_block']:.2f} GB/s "
+        f"({lp['whole_block_vs_memcpy']:.2f}x), memcpy {lp['gbps']['memcpy']:.2f} GB/s"
+    ]
     lines += [f"skipped: {note}" for note in result["skipped"]]
     lines += [f"target {name}: {'met' if ok else 'missed'}" for name, ok in result["targets"].items()]
     return "\n".join(lines)
 
 
 def targets(result: dict) -> dict[str, bool]:
-    met = {f"load path >= {TARGETS['load_vs_memcpy']}x memcpy":
-           result["load_path"]["per_layer_vs_memcpy"] >= TARGETS["load_vs_memcpy"]}
+    met = {
+        f"load path >= {TARGETS['load_vs_memcpy']}x memcpy": result["load_path"]["per_layer_vs_memcpy"]
+        >= TARGETS["load_vs_memcpy"]
+    }
     by_len = {r["prompt_tokens"]: r for r in result["ttft"]}
     if not by_len:
         return met
     longest = by_len[max(by_len)]
-    met[f"hit <= {TARGETS['hit_vs_recompute_4k']}x recompute at {max(by_len)} tokens"] = \
+    met[f"hit <= {TARGETS['hit_vs_recompute_4k']}x recompute at {max(by_len)} tokens"] = (
         longest.get("consumer_hit_vs_recompute", 9) <= TARGETS["hit_vs_recompute_4k"]
-    met[f"saving costs <= {TARGETS['save_overhead']:.0%} TTFT"] = \
-        all(r.get("producer_miss_vs_plain", 9) <= 1 + TARGETS["save_overhead"] for r in result["ttft"])
+    )
+    met[f"saving costs <= {TARGETS['save_overhead']:.0%} TTFT"] = all(
+        r.get("producer_miss_vs_plain", 9) <= 1 + TARGETS["save_overhead"] for r in result["ttft"]
+    )
     if "lmcache_consumer_hit_s" in longest:
-        met["kvstore hit <= LMCache hit"] = all(r["consumer_hit_s"] <= r["lmcache_consumer_hit_s"]
-                                                for r in result["ttft"])
+        met["kvstore hit <= LMCache hit"] = all(
+            r["consumer_hit_s"] <= r["lmcache_consumer_hit_s"] for r in result["ttft"]
+        )
     return met
 
 
@@ -282,8 +363,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="float32: CPUs without native bf16 (AVX512-BF16, AMX) run bf16 several times slower")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="float32: CPUs without native bf16 (AVX512-BF16, AMX) run bf16 several times slower",
+    )
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="KV cache of each engine")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-lmcache", action="store_true", help="leave LMCache out")
@@ -304,13 +389,31 @@ def main(argv: list[str] | None = None) -> None:
         os.makedirs(logs)
         # the load path first, while no engine runs beside it
         slab_shape = (args.kv_heads, args.block_size, 2 * args.hidden // args.heads)
-        path = median_path([load_path(master, layers=args.layers, blocks=max(args.lengths) // args.block_size,
-                                      slab_shape=slab_shape, dtype=args.dtype, repeats=7) for _ in range(args.runs)])
+        path = median_path(
+            [
+                load_path(
+                    master,
+                    layers=args.layers,
+                    blocks=max(args.lengths) // args.block_size,
+                    slab_shape=slab_shape,
+                    dtype=args.dtype,
+                    repeats=7,
+                )
+                for _ in range(args.runs)
+            ]
+        )
         if args.load_path_only:
             emit(report(args, argv, {}, path, skipped), args.json, table)
             return
-        model = make_llama(os.path.join(tmp, "model"), hidden=args.hidden, layers=args.layers, heads=args.heads,
-                           kv_heads=args.kv_heads, vocab=vocab, max_positions=max(args.lengths) + 64)
+        model = make_llama(
+            os.path.join(tmp, "model"),
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            vocab=vocab,
+            max_positions=max(args.lengths) + 64,
+        )
 
         def start(name: str, *more: str, **kw) -> EngineProcess:
             engine = EngineProcess([*engine_args(args, model), *more], os.path.join(logs, name + ".log"), **kw)
@@ -318,32 +421,50 @@ def main(argv: list[str] | None = None) -> None:
             return engine
 
         namespace = ("--extra", json.dumps({"namespace": f"reuse{os.getpid()}"}))
-        engines = {"plain": start("plain"),
-                   "producer": start("producer", "--master", master, *namespace),
-                   "consumer": start("consumer", "--master", master, *namespace)}
+        engines = {
+            "plain": start("plain"),
+            "producer": start("producer", "--master", master, *namespace),
+            "consumer": start("consumer", "--master", master, *namespace),
+        }
         if args.no_lmcache:
             skipped.append("LMCache: --no-lmcache")
         else:
-            lmcache = peers.start_lmcache(os.path.join(logs, "lmcache-server.log"), block_size=args.block_size,
-                                          size_gb=2.0)
+            lmcache = peers.start_lmcache(
+                os.path.join(logs, "lmcache-server.log"), block_size=args.block_size, size_gb=2.0
+            )
             if isinstance(lmcache, str):
                 skipped.append(f"LMCache: {lmcache}")
             else:
                 stack.callback(lmcache.stop)
                 for role in ("producer", "consumer"):
                     engines[f"lmcache {role}"] = start(
-                        f"lmcache-{role}", "--kv-transfer-config", json.dumps(lmcache.kv_transfer_config),
-                        python=lmcache.python, env=dict(os.environ, **lmcache.engine_env))
+                        f"lmcache-{role}",
+                        "--kv-transfer-config",
+                        json.dumps(lmcache.kv_transfer_config),
+                        python=lmcache.python,
+                        env=dict(os.environ, **lmcache.engine_env),
+                    )
         skipped += peers.offloading_skip_notes()
         rows = measure(args, engines, vocab)
     emit(report(args, argv, rows, path, skipped), args.json, table)
 
 
 def report(args, argv, rows: dict, path: dict, skipped: list[str]) -> dict:
-    result = {"command": "python -m bench.vllm_reuse " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
-                        "dtype": args.dtype, "block_size": args.block_size},
-              "runs": args.runs, "ttft": summarise(rows), "load_path": path, "skipped": skipped}
+    result = {
+        "command": "python -m bench.vllm_reuse " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": {
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "dtype": args.dtype,
+            "block_size": args.block_size,
+        },
+        "runs": args.runs,
+        "ttft": summarise(rows),
+        "load_path": path,
+        "skipped": skipped,
+    }
     result["targets"] = targets(result)
     return result
 

@@ -65,8 +65,7 @@ class AsyncClient:
     async def load_prefix(self, hasher: BlockHasher, tokens, buffers) -> int:
         return await asyncio.to_thread(self._client.load_prefix, hasher, tokens, buffers)
 
-    async def schedule(self, keys: Sequence[BlockKey], input_length: int, output_length: int = 0,
-                       request_id: str = ""):
+    async def schedule(self, keys: Sequence[BlockKey], input_length: int, output_length: int = 0, request_id: str = ""):
         return await asyncio.to_thread(self._client.schedule, keys, input_length, output_length, request_id)
 
     async def close(self) -> None:

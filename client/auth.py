@@ -52,7 +52,7 @@ def token_from_metadata(metadata) -> str | None:
     """The bearer token of a call's invocation metadata (None: none sent)."""
     for key, value in metadata or ():
         if key == BEARER_METADATA and isinstance(value, str) and value.startswith("Bearer "):
-            return value[len("Bearer "):]
+            return value[len("Bearer ") :]
     return None
 
 

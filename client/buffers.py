@@ -54,8 +54,10 @@ def buffer_view(obj: Any, *, writable: bool = False) -> memoryview | DeviceView:
 def _torch_bytes(tensor):  # pragma: no cover - exercised only where torch is installed
     """A CPU tensor's storage as a numpy uint8 view (no copy)."""
     if tensor.device.type != "cpu":
-        raise InvalidValue(f"a tensor on {tensor.device}: only host memory here (the SDK's data path, "
-                           "buffer_view, takes CUDA tensors too)")
+        raise InvalidValue(
+            f"a tensor on {tensor.device}: only host memory here (the SDK's data path, "
+            "buffer_view, takes CUDA tensors too)"
+        )
     if not tensor.is_contiguous():
         raise InvalidValue("tensor must be contiguous")
     import torch

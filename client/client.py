@@ -53,9 +53,13 @@ from kvstore_client.wire import reply_spin
 log = logging.getLogger(__name__)
 # Reconnect to a master that went away within a second of its return (gRPC's default backoff
 # grows to two minutes, and calls fail fast meanwhile).
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 1000)]
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 _REFUSED = {grpc.StatusCode.UNAUTHENTICATED: Unauthenticated, grpc.StatusCode.PERMISSION_DENIED: PermissionDenied}
 QUOTA_MARK = "quota exceeded"  # in the details of the master's QuotaExceeded (RESOURCE_EXHAUSTED)
 
@@ -112,15 +116,33 @@ class Client:
     call after that raises ClientClosed.
     """
 
-    def __init__(self, master: str, *, prefer_shm: bool = True, location_ttl: float = 2.0,
-                 placement_ttl: float = 1.0, placement_bytes: int = 64 << 20, replicas: int = 0,
-                 verify: bool = True, timeout: float = 10.0, data_path: str | None = None,
-                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, etcd_tls: EtcdTLS | None = None, window: int = WINDOW,
-                 keys_per_frame: int = KEYS_PER_FRAME, max_unacked_puts: int = UNACKED_MAX,
-                 reply_spin_us: float | None = None, data_timeout: float | None = None,
-                 one_sided_reads: bool = True, location_cache_size: int = MAX_KEYS,
-                 placement_growth: int = GROWTH, node_refresh_interval: float = REFRESH_EVERY_S):
+    def __init__(
+        self,
+        master: str,
+        *,
+        prefer_shm: bool = True,
+        location_ttl: float = 2.0,
+        placement_ttl: float = 1.0,
+        placement_bytes: int = 64 << 20,
+        replicas: int = 0,
+        verify: bool = True,
+        timeout: float = 10.0,
+        data_path: str | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        etcd_tls: EtcdTLS | None = None,
+        window: int = WINDOW,
+        keys_per_frame: int = KEYS_PER_FRAME,
+        max_unacked_puts: int = UNACKED_MAX,
+        reply_spin_us: float | None = None,
+        data_timeout: float | None = None,
+        one_sided_reads: bool = True,
+        location_cache_size: int = MAX_KEYS,
+        placement_growth: int = GROWTH,
+        node_refresh_interval: float = REFRESH_EVERY_S,
+    ):
         self.master = master
         self.credentials = Credentials.resolve(token, tls_ca, tls_cert, tls_key, etcd_tls)  # reads the environment
         spin = reply_spin() if reply_spin_us is None else _microseconds(reply_spin_us)  # likewise, now
@@ -138,9 +160,14 @@ class Client:
         self._nodes = KnownNodes(node_refresh_interval)
         self._placements = Placements(
             lambda namespace, nbytes: self._call(self._stub.Place, self._place_request(namespace, nbytes)),
-            lambda namespace, nbytes: self._stub.Place.future(self._place_request(namespace, nbytes),
-                                                              timeout=self.timeout),
-            self._nodes.update, placement_ttl, placement_bytes, placement_growth)
+            lambda namespace, nbytes: self._stub.Place.future(
+                self._place_request(namespace, nbytes), timeout=self.timeout
+            ),
+            self._nodes.update,
+            placement_ttl,
+            placement_bytes,
+            placement_growth,
+        )
         self._lock = threading.Lock()  # guards _threads and _closed
         self._local = threading.local()  # .state (_ThreadConns) and its .conns and .put_failures
         self._threads: weakref.WeakSet[_ThreadConns] = weakref.WeakSet()  # of the threads alive that used it
@@ -152,8 +179,9 @@ class Client:
         """Store one block (any contiguous buffer) in the pool (``wait``: see ``batch_put``)."""
         self.batch_put([key], [value], depths=[depth], wait=wait)
 
-    def batch_put(self, keys: Sequence[BlockKey], values: Sequence, *, depths: Sequence[int] | None = None,
-                  wait: bool = True) -> None:
+    def batch_put(
+        self, keys: Sequence[BlockKey], values: Sequence, *, depths: Sequence[int] | None = None, wait: bool = True
+    ) -> None:
         """Store blocks; the master places them (local node first, else the one with most free space).
 
         A primary node may store some blocks of a batch and refuse others
@@ -207,8 +235,9 @@ class Client:
             stored_on = [primary.node_id]
             for node in replicas:
                 try:
-                    refused: list[Exception] = [e for e in self._on_node(node, lambda c: c.put_many(items, wait))
-                                                if e is not None]
+                    refused: list[Exception] = [
+                        e for e in self._on_node(node, lambda c: c.put_many(items, wait)) if e is not None
+                    ]
                 except OSError as exc:
                     refused = [exc]
                 if refused:
@@ -293,8 +322,9 @@ class Client:
                 by_node.setdefault(candidates[i].pop(0), []).append(i)
             retry = []
             for node_id, idx in by_node.items():
-                got, errors = self._read_from(node_id, [keys[i] for i in idx],
-                                              None if buffers is None else [buffers[i] for i in idx])
+                got, errors = self._read_from(
+                    node_id, [keys[i] for i in idx], None if buffers is None else [buffers[i] for i in idx]
+                )
                 for n, (i, value) in enumerate(zip(idx, got)):
                     error = errors.get(n)
                     if error is not None and not isinstance(error, ChecksumMismatch):
@@ -393,8 +423,9 @@ class Client:
             raise InvalidValue("a prefix chain lives in one namespace")
         reply = self._call(self._stub.MatchPrefix, pb.KeyBatch(namespace=namespace, digests=[k[1] for k in keys]))
         # read your writes: blocks this client just stored may not be indexed yet
-        return with_cached_locations(PrefixMatch(reply.longest, dict(reply.node_prefix_blocks)),
-                                     self._locations.lookup(keys))
+        return with_cached_locations(
+            PrefixMatch(reply.longest, dict(reply.node_prefix_blocks)), self._locations.lookup(keys)
+        )
 
     def remove(self, key: BlockKey) -> bool:
         """Remove the block from every node holding it that can be reached.
@@ -429,8 +460,7 @@ class Client:
         return removed
 
     # -- token-level helpers ---------------------------------------------------------------------
-    def store_prefix(self, hasher: BlockHasher, tokens: Sequence[int], blocks: Sequence, *,
-                     wait: bool = True) -> int:
+    def store_prefix(self, hasher: BlockHasher, tokens: Sequence[int], blocks: Sequence, *, wait: bool = True) -> int:
         """Store the KV blocks of ``tokens`` (one value per full block) that the pool lacks
         (``wait``: see ``batch_put``).
 
@@ -456,8 +486,9 @@ class Client:
         return loaded * hasher.block_size
 
     # -- scheduling (the conductor) ---------------------------------------------------------------
-    def schedule(self, keys: Sequence[BlockKey], input_length: int, output_length: int = 0,
-                 request_id: str = "") -> EngineAssignment:
+    def schedule(
+        self, keys: Sequence[BlockKey], input_length: int, output_length: int = 0, request_id: str = ""
+    ) -> EngineAssignment:
         """Ask the conductor which prefill and decode engines run a request whose prompt has
         the block ``keys``; raises Overloaded (with ``.reason``) when it rejects the request.
         Engines register and report through ``client.scheduling``."""
@@ -475,8 +506,9 @@ class Client:
         return self._call(self._stub.Drain, pb.DrainRequest(node_id=node_id, cancel=cancel))
 
     def list_keys(self, namespace: str = "", limit: int = 100, start_after: bytes = b"") -> pb.ListKeysReply:
-        return self._call(self._stub.ListKeys, pb.ListKeysRequest(namespace=namespace, limit=limit,
-                                                                   start_after=start_after))
+        return self._call(
+            self._stub.ListKeys, pb.ListKeysRequest(namespace=namespace, limit=limit, start_after=start_after)
+        )
 
     # -- internals -------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -510,8 +542,9 @@ class Client:
         missing = [i for i, r in enumerate(found) if r is None]
         for namespace, idx in _group_by_namespace([keys[i] for i in missing]).items():
             positions = [missing[j] for j in idx]
-            reply = self._call(self._stub.Locate,
-                               pb.KeyBatch(namespace=namespace, digests=[keys[i][1] for i in positions]))
+            reply = self._call(
+                self._stub.Locate, pb.KeyBatch(namespace=namespace, digests=[keys[i][1] for i in positions])
+            )
             self._nodes.update(reply.nodes)
             fresh = []
             for i, location in zip(positions, reply.locations):
@@ -556,9 +589,16 @@ class Client:
         conn = conns.get(node.node_id)
         if conn is None:
             self._check_open()
-            conn = open_connection(node, prefer_shm=self.prefer_shm, verify=self.verify, data_path=self.data_path,
-                                   credentials=self.credentials, timeout=self.data_timeout,
-                                   one_sided=self.one_sided_reads, tuning=self.tuning)
+            conn = open_connection(
+                node,
+                prefer_shm=self.prefer_shm,
+                verify=self.verify,
+                data_path=self.data_path,
+                credentials=self.credentials,
+                timeout=self.data_timeout,
+                one_sided=self.one_sided_reads,
+                tuning=self.tuning,
+            )
             with self._lock:
                 closed = self._closed
                 if not closed:
@@ -642,8 +682,7 @@ def _put_stopped(error: KVStoreError, stored: list, failures: list, total: int) 
     error.stored = list(stored)
     error.failures = list(failures)
     if total > 1:
-        error.args = (f"{error}: batch_put stored {len(stored)} of {total} blocks "
-                      f"(.stored and .failures say which)",)
+        error.args = (f"{error}: batch_put stored {len(stored)} of {total} blocks (.stored and .failures say which)",)
     return error
 
 

@@ -50,10 +50,10 @@ def is_etcd_address(address: str) -> bool:
 
 
 def parse_etcd_address(address: str) -> tuple[list[str], str]:
-    """"etcd://h1:2379,h2:2379/kv" -> (["h1:2379", "h2:2379"], "/kv"); ValueError if malformed."""
+    """ "etcd://h1:2379,h2:2379/kv" -> (["h1:2379", "h2:2379"], "/kv"); ValueError if malformed."""
     if not is_etcd_address(address):
         raise ValueError(f"not an etcd:// address: {address!r}")
-    rest = address[len(SCHEME):]
+    rest = address[len(SCHEME) :]
     hosts, slash, prefix = rest.partition("/")
     return parse_endpoints(hosts), ("/" + prefix.strip("/")) if slash and prefix.strip("/") else DEFAULT_PREFIX
 

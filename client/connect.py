@@ -21,9 +21,17 @@ def check_data_path(data_path: str | None) -> str | None:
     return data_path
 
 
-def open_connection(node, *, prefer_shm: bool = True, verify: bool = True, data_path: str | None = None,
-                    credentials=NO_CREDENTIALS, timeout: float | None = None, one_sided: bool = True,
-                    tuning=None):
+def open_connection(
+    node,
+    *,
+    prefer_shm: bool = True,
+    verify: bool = True,
+    data_path: str | None = None,
+    credentials=NO_CREDENTIALS,
+    timeout: float | None = None,
+    one_sided: bool = True,
+    tuning=None,
+):
     """A data-plane connection to ``node`` (a NodeInfo).
 
     Same machine and the node's arena and Unix socket visible here: shared

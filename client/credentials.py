@@ -51,12 +51,23 @@ class Credentials:
                 raise ConfigError(f"TLS file {path} does not exist")
 
     @classmethod
-    def resolve(cls, token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                tls_key: str | None = None, etcd_tls: EtcdTLS | None = None) -> "Credentials":
+    def resolve(
+        cls,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        etcd_tls: EtcdTLS | None = None,
+    ) -> "Credentials":
         """Credentials from arguments, falling back to KVSTORE_TOKEN, KVSTORE_TLS_CA and the
         KVSTORE_ETCD_* variables (EtcdTLS.from_env)."""
-        return cls(resolve_token(token), tls_ca or os.environ.get(TLS_CA_ENV) or None, tls_cert, tls_key,
-                   etcd_tls=etcd_tls or EtcdTLS.from_env())
+        return cls(
+            resolve_token(token),
+            tls_ca or os.environ.get(TLS_CA_ENV) or None,
+            tls_cert,
+            tls_key,
+            etcd_tls=etcd_tls or EtcdTLS.from_env(),
+        )
 
     @property
     def data_key(self) -> DataKey | None:
@@ -111,8 +122,17 @@ class _WithMetadata(grpc.UnaryUnaryClientInterceptor):
 
     def intercept_unary_unary(self, continuation, details, request):
         metadata = tuple(details.metadata or ()) + self._metadata
-        return continuation(_Details(details.method, details.timeout, metadata, details.credentials,
-                                     details.wait_for_ready, details.compression), request)
+        return continuation(
+            _Details(
+                details.method,
+                details.timeout,
+                metadata,
+                details.credentials,
+                details.wait_for_ready,
+                details.compression,
+            ),
+            request,
+        )
 
 
 class _Details(grpc.ClientCallDetails):

@@ -63,8 +63,11 @@ def _torch():
 # -- which buffers ------------------------------------------------------------------------------
 def is_device_tensor(obj) -> bool:
     """Whether ``obj`` is a torch tensor outside host memory (CUDA, meta, ...)."""
-    return type(obj).__module__.startswith("torch") and getattr(obj, "device", None) is not None \
+    return (
+        type(obj).__module__.startswith("torch")
+        and getattr(obj, "device", None) is not None
         and obj.device.type != "cpu"
+    )
 
 
 def device_problem(device_type: str, index: int | None, cuda_available: bool, device_count: int) -> str | None:
@@ -351,8 +354,12 @@ def _host_register(address: int, size: int) -> bool:
     torch = _torch()
     error = int(torch.cuda.cudart().cudaHostRegister(address, size, 1))
     if error:
-        log.warning("cudaHostRegister of a node arena (%d bytes) failed (CUDA error %d): GPU copies with it "
-                    "run from pageable memory", size, error)
+        log.warning(
+            "cudaHostRegister of a node arena (%d bytes) failed (CUDA error %d): GPU copies with it "
+            "run from pageable memory",
+            size,
+            error,
+        )
         return False
     return True
 
@@ -380,5 +387,16 @@ def new_stream(device):
     return _torch().cuda.Stream(device=device)
 
 
-__all__ = ["DeviceView", "StagingPool", "chunks", "copy_to_host", "device_problem", "device_view",
-           "is_device_tensor", "receive_into", "record_event", "send_from", "staging_pool"]
+__all__ = [
+    "DeviceView",
+    "StagingPool",
+    "chunks",
+    "copy_to_host",
+    "device_problem",
+    "device_view",
+    "is_device_tensor",
+    "receive_into",
+    "record_event",
+    "send_from",
+    "staging_pool",
+]

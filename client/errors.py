@@ -127,8 +127,10 @@ class PutFailed(KVStoreError):
 
     def __init__(self, failures: list):
         key, node_id, error = failures[0]
-        super().__init__(f"{len(failures)} put(s) sent without waiting were not stored; "
-                         f"the first, {key!r} on node {node_id}: {error}")
+        super().__init__(
+            f"{len(failures)} put(s) sent without waiting were not stored; "
+            f"the first, {key!r} on node {node_id}: {error}"
+        )
         self.failures = failures
 
 

@@ -76,8 +76,9 @@ class EtcdTLS:
 
     def __post_init__(self):
         if (self.cert is None) != (self.key is None):
-            raise ConfigError("an etcd client certificate needs both --etcd-cert and --etcd-key "
-                              f"({ETCD_CERT_ENV} and {ETCD_KEY_ENV})")
+            raise ConfigError(
+                f"an etcd client certificate needs both --etcd-cert and --etcd-key ({ETCD_CERT_ENV} and {ETCD_KEY_ENV})"
+            )
         for path in (self.ca, self.cert, self.key):
             if path is not None and not os.path.isfile(path):
                 raise ConfigError(f"etcd TLS file {path} does not exist")
@@ -104,7 +105,7 @@ class EtcdTLS:
 
 
 def parse_endpoints(text: str) -> list[str]:
-    """"h1:2379,h2:2379" -> ["h1:2379", "h2:2379"]; ValueError when empty or without ports."""
+    """ "h1:2379,h2:2379" -> ["h1:2379", "h2:2379"]; ValueError when empty or without ports."""
     endpoints = [e.strip() for e in text.split(",") if e.strip()]
     if not endpoints or any(":" not in e for e in endpoints):
         raise ValueError(f"etcd endpoints must be HOST:PORT[,HOST:PORT...], got {text!r}")
@@ -119,8 +120,11 @@ class Etcd:
         self.timeout, self.tls = timeout, tls
         self._lock = threading.Lock()
         self._current = 0
-        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 500)]
+        options = [
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500),
+        ]
         if tls is None:
             self._channels = [grpc.insecure_channel(e, options=options) for e in self.endpoints]
         else:
@@ -160,8 +164,7 @@ class Etcd:
         problem = tls_failure(details, self.tls is not None, self.endpoints[i])
         if problem is not None:
             return EtcdTLSError(f"etcd {','.join(self.endpoints)}: {problem}")
-        return EtcdUnavailable(f"etcd {','.join(self.endpoints)}: {what}{last.code().name if last else '?'}: "
-                               f"{details}")
+        return EtcdUnavailable(f"etcd {','.join(self.endpoints)}: {what}{last.code().name if last else '?'}: {details}")
 
     # -- KV -----------------------------------------------------------------------------------
     def get(self, key: bytes) -> KeyValue | None:
@@ -170,21 +173,37 @@ class Etcd:
 
     def create(self, key: bytes, value: bytes, lease: int) -> tuple[bool, KeyValue | None]:
         """Put ``key`` = ``value`` on ``lease`` if the key does not exist: (created, the key as it is now)."""
-        reply = self._call("kv", "Txn", rpc_pb2.TxnRequest(
-            compare=[rpc_pb2.Compare(key=key, target=rpc_pb2.Compare.CREATE, result=rpc_pb2.Compare.EQUAL,
-                                     create_revision=0)],
-            success=[rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease)),
-                     rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key))],
-            failure=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key))]))
+        reply = self._call(
+            "kv",
+            "Txn",
+            rpc_pb2.TxnRequest(
+                compare=[
+                    rpc_pb2.Compare(
+                        key=key, target=rpc_pb2.Compare.CREATE, result=rpc_pb2.Compare.EQUAL, create_revision=0
+                    )
+                ],
+                success=[
+                    rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease)),
+                    rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key)),
+                ],
+                failure=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key))],
+            ),
+        )
         kvs = reply.responses[-1].response_range.kvs
         return reply.succeeded, (kvs[0] if kvs else None)
 
     def delete_if_lease(self, key: bytes, lease: int) -> bool:
         """Delete ``key`` when it is held on ``lease``; whether it was."""
-        reply = self._call("kv", "Txn", rpc_pb2.TxnRequest(
-            compare=[rpc_pb2.Compare(key=key, target=rpc_pb2.Compare.LEASE, result=rpc_pb2.Compare.EQUAL,
-                                     lease=lease)],
-            success=[rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=key))]))
+        reply = self._call(
+            "kv",
+            "Txn",
+            rpc_pb2.TxnRequest(
+                compare=[
+                    rpc_pb2.Compare(key=key, target=rpc_pb2.Compare.LEASE, result=rpc_pb2.Compare.EQUAL, lease=lease)
+                ],
+                success=[rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=key))],
+            ),
+        )
         return reply.succeeded
 
     # -- leases -------------------------------------------------------------------------------
@@ -203,8 +222,9 @@ class Etcd:
         for step in range(len(self.endpoints)):
             i = (start + step) % len(self.endpoints)
             try:
-                replies = self._lease[i].LeaseKeepAlive(iter([rpc_pb2.LeaseKeepAliveRequest(ID=lease)]),
-                                                        timeout=self.timeout)
+                replies = self._lease[i].LeaseKeepAlive(
+                    iter([rpc_pb2.LeaseKeepAliveRequest(ID=lease)]), timeout=self.timeout
+                )
                 for reply in replies:
                     replies.cancel()
                     with self._lock:
@@ -238,19 +258,33 @@ def tls_failure(details: str, dialed_tls: bool, endpoint: str) -> str | None:
     so that one is confirmed by a TLS handshake of our own (``speaks_tls``)."""
     if dialed_tls:
         if "CERTIFICATE_VERIFY_FAILED" in details or "certificate verify failed" in details:
-            return ("its certificate is not signed by a CA this process trusts: give the CA that signed etcd's "
-                    f"--cert-file with --etcd-ca or {ETCD_CA_ENV} ({_short(details)})")
-        if any(mark in details for mark in ("Unwrap failed", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED",
-                                            "UNKNOWN_CA", "CERTIFICATE_UNKNOWN")):
-            return ("etcd refused this process's client certificate (none given, or not signed by etcd's "
-                    f"--trusted-ca-file): give one with --etcd-cert/--etcd-key or {ETCD_CERT_ENV}/{ETCD_KEY_ENV} "
-                    f"({_short(details)})")
+            return (
+                "its certificate is not signed by a CA this process trusts: give the CA that signed etcd's "
+                f"--cert-file with --etcd-ca or {ETCD_CA_ENV} ({_short(details)})"
+            )
+        if any(
+            mark in details
+            for mark in (
+                "Unwrap failed",
+                "BAD_CERTIFICATE",
+                "CERTIFICATE_REQUIRED",
+                "UNKNOWN_CA",
+                "CERTIFICATE_UNKNOWN",
+            )
+        ):
+            return (
+                "etcd refused this process's client certificate (none given, or not signed by etcd's "
+                f"--trusted-ca-file): give one with --etcd-cert/--etcd-key or {ETCD_CERT_ENV}/{ETCD_KEY_ENV} "
+                f"({_short(details)})"
+            )
         if "handshake" in details.lower() or "SSL_ERROR" in details:
             return f"the TLS handshake failed (does etcd serve https on this port?): {_short(details)}"
         return None
     if "Socket closed" in details and speaks_tls(endpoint):
-        return (f"{endpoint} speaks TLS (https) and this process dials it in plain text: give --etcd-ca "
-                f"(and --etcd-cert/--etcd-key when etcd checks client certificates), or {ETCD_CA_ENV}")
+        return (
+            f"{endpoint} speaks TLS (https) and this process dials it in plain text: give --etcd-ca "
+            f"(and --etcd-cert/--etcd-key when etcd checks client certificates), or {ETCD_CA_ENV}"
+        )
     return None
 
 

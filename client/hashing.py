@@ -23,9 +23,7 @@ _SALT_PREFIX = b"kvstore/v1\0"
 _xxh3_128_digest = xxhash.xxh3_128_digest
 
 
-def namespace_name(
-    model: str, *, tenant: str = "", lora: str = "", cache_salt: str = ""
-) -> str:
+def namespace_name(model: str, *, tenant: str = "", lora: str = "", cache_salt: str = "") -> str:
     """Canonical namespace for a model plus optional tenant, LoRA adapter and cache salt.
 
     Blocks of two namespaces never share keys, so KV computed under one LoRA

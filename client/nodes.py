@@ -54,8 +54,9 @@ class KnownNodes:
         self.update(live_nodes())
         return self._infos.get(node.node_id, node)
 
-    def unreachable(self, node_id: str, error: Exception,
-                    consequence: str = "reading other replicas, or a miss") -> None:
+    def unreachable(
+        self, node_id: str, error: Exception, consequence: str = "reading other replicas, or a miss"
+    ) -> None:
         """Log that ``node_id`` could not be reached, and what the call did about it (a warning
         at most every WARN_EVERY_S)."""
         now = time.monotonic()

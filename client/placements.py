@@ -49,8 +49,9 @@ class Placements:
     ``growth``: a fast writer's placements grow to at most this many times ``min_bytes``.
     """
 
-    def __init__(self, ask: Callable, ask_ahead: Callable, on_nodes: Callable, ttl: float, min_bytes: int,
-                 growth: int = GROWTH):
+    def __init__(
+        self, ask: Callable, ask_ahead: Callable, on_nodes: Callable, ttl: float, min_bytes: int, growth: int = GROWTH
+    ):
         self._ask, self._ask_ahead, self._on_nodes = ask, ask_ahead, on_nodes
         self.ttl, self.min_bytes, self.growth = ttl, min_bytes, growth
         self._held: dict[str, _Held] = {}

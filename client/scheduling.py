@@ -54,32 +54,64 @@ class SchedulingCalls:
         self._call = call
 
     def register_engine(self, namespace: str, engine_id: str, role: str, node_id: str) -> None:
-        self._call(self._stub.RegisterEngine, pb.EngineRegistration(
-            namespace=namespace, engine_id=engine_id, role=ROLES[role], node_id=node_id))
+        self._call(
+            self._stub.RegisterEngine,
+            pb.EngineRegistration(namespace=namespace, engine_id=engine_id, role=ROLES[role], node_id=node_id),
+        )
 
     def deregister_engine(self, namespace: str, engine_id: str) -> pb.EngineDeregistered:
         """Leave: no new work comes to the engine, and its requests in flight end.
         The reply says whether it was registered (``known``) and how many requests ended."""
-        return self._call(self._stub.DeregisterEngine, pb.EngineDeregistration(
-            namespace=namespace, engine_id=engine_id))
+        return self._call(
+            self._stub.DeregisterEngine, pb.EngineDeregistration(namespace=namespace, engine_id=engine_id)
+        )
 
-    def report_load(self, namespace: str, engine_id: str, *, queue_length: int = 0, busy_s: float = 0.0,
-                    running_batch: int = 0, context_tokens: int = 0) -> None:
+    def report_load(
+        self,
+        namespace: str,
+        engine_id: str,
+        *,
+        queue_length: int = 0,
+        busy_s: float = 0.0,
+        running_batch: int = 0,
+        context_tokens: int = 0,
+    ) -> None:
         """A prefill engine sends queue_length and busy_s, a decode engine running_batch and
         context_tokens (zeros when idle); the conductor reads them by the registered role."""
-        self._call(self._stub.ReportEngineLoad, pb.EngineLoad(
-            namespace=namespace, engine_id=engine_id, queue_length=queue_length, busy_s=busy_s,
-            running_batch=running_batch, context_tokens=context_tokens))
+        self._call(
+            self._stub.ReportEngineLoad,
+            pb.EngineLoad(
+                namespace=namespace,
+                engine_id=engine_id,
+                queue_length=queue_length,
+                busy_s=busy_s,
+                running_batch=running_batch,
+                context_tokens=context_tokens,
+            ),
+        )
 
-    def schedule(self, keys: list[BlockKey], input_length: int, output_length: int = 0,
-                 request_id: str = "", namespace: str | None = None) -> EngineAssignment:
+    def schedule(
+        self,
+        keys: list[BlockKey],
+        input_length: int,
+        output_length: int = 0,
+        request_id: str = "",
+        namespace: str | None = None,
+    ) -> EngineAssignment:
         if namespace is None:
             if not keys:
                 raise ValueError("schedule needs block keys or a namespace")
             namespace = keys[0][0]
-        reply = self._call(self._schedule, pb.ScheduleRequest(
-            namespace=namespace, request_id=request_id, digests=[k[1] for k in keys],
-            input_length=input_length, output_length=output_length))
+        reply = self._call(
+            self._schedule,
+            pb.ScheduleRequest(
+                namespace=namespace,
+                request_id=request_id,
+                digests=[k[1] for k in keys],
+                input_length=input_length,
+                output_length=output_length,
+            ),
+        )
         return EngineAssignment(**{f: getattr(reply, f) for f in EngineAssignment.__dataclass_fields__})
 
     def _schedule(self, request: pb.ScheduleRequest, **kwargs) -> pb.ScheduleReply:
@@ -89,12 +121,13 @@ class SchedulingCalls:
         except grpc.RpcError as exc:
             rejection = rejection_of(exc)
             if rejection is None:
-                raise   # not a rejection: the caller's mapping applies
+                raise  # not a rejection: the caller's mapping applies
             raise Overloaded(exc.details() or rejection.detail, rejection.reason) from None
 
     def report_request(self, namespace: str, request_id: str, stage: str) -> pb.RequestEventReply:
-        return self._call(self._stub.ReportRequest, pb.RequestEvent(
-            namespace=namespace, request_id=request_id, stage=STAGES[stage]))
+        return self._call(
+            self._stub.ReportRequest, pb.RequestEvent(namespace=namespace, request_id=request_id, stage=STAGES[stage])
+        )
 
 
 def rejection_of(exc: grpc.RpcError) -> pb.ScheduleReply | None:

@@ -122,13 +122,22 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
     over TCP, with SAME_HOST_ONLY). One per thread.
     """
 
-    def __init__(self, target: str, arena_name: str | None = None, *, verify: bool = True,
-                 timeout: float | None = None, one_sided: bool = True, credentials=NO_CREDENTIALS,
-                 tuning: Tuning = DEFAULT_TUNING):
+    def __init__(
+        self,
+        target: str,
+        arena_name: str | None = None,
+        *,
+        verify: bool = True,
+        timeout: float | None = None,
+        one_sided: bool = True,
+        credentials=NO_CREDENTIALS,
+        tuning: Tuning = DEFAULT_TUNING,
+    ):
         self.target = target
         self._grants: list = []  # arena space set aside for our next puts (ArenaWrites)
-        super().__init__(_connect(target, timeout), verify=verify, credentials=credentials,
-                         tuning=tuning)  # authenticates before mapping
+        super().__init__(
+            _connect(target, timeout), verify=verify, credentials=credentials, tuning=tuning
+        )  # authenticates before mapping
         ttl = self._info.get("lease_ttl")
         self.lease_ttl: float | None = None if ttl is None else float(ttl)  # the node's, from INFO
         self._direct: OneSidedReads | None = None  # reads through the node's block directory
@@ -148,8 +157,10 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
             raise TransportError(f"node at {self.target} runs on another host: use TcpConnection")
         name = os.path.basename(arena_name or info["arena"])
         if name != info["arena"]:
-            raise TransportError(f"arena {name!r} is not the node's (it serves {info['arena']!r}): "
-                                 "the node restarted since its address was looked up")
+            raise TransportError(
+                f"arena {name!r} is not the node's (it serves {info['arena']!r}): "
+                "the node restarted since its address was looked up"
+            )
         path = os.path.join(os.path.dirname(info["arena_path"]), name)
         try:
             self._arena, view = map_arena(path)
@@ -223,8 +234,9 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         rest = [j for j, got in enumerate(results) if got is None]
         errors: dict[int, KVStoreError] = {}
         if rest:
-            more, failed = super()._read_views([keys[j] for j in rest],
-                                               None if views is None else [views[j] for j in rest])
+            more, failed = super()._read_views(
+                [keys[j] for j in rest], None if views is None else [views[j] for j in rest]
+            )
             for j, got in zip(rest, more):
                 results[j] = got
             errors = {rest[i]: error for i, error in failed.items()}
@@ -286,8 +298,9 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
             raise errors[0]
         return result[0]
 
-    def _read(self, keys: list, todo: list[int], costs: list[int], target, errors: dict, landed=None,
-              retry: bool = True) -> None:
+    def _read(
+        self, keys: list, todo: list[int], costs: list[int], target, errors: dict, landed=None, retry: bool = True
+    ) -> None:
         """Lease, copy and verify; a damaged copy is leased and copied once more (``retry``),
         then read over the socket, as are blocks the node could not bring into DRAM.
         ``landed()``, when given, runs once the leased copies are done, and after each socket reply."""
@@ -340,7 +353,9 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
                         self._finished.append(lease_id)  # released with our next request
                 if ttl is not None and _monotonic() - sent >= ttl:  # the lease may have lapsed
                     seen = set(damaged)
-                    damaged += [j for j, item in zip(chunk, items) if item[0] == _OK and j not in errors and j not in seen]
+                    damaged += [
+                        j for j, item in zip(chunk, items) if item[0] == _OK and j not in errors and j not in seen
+                    ]
             todo = deferred
         return later, damaged
 
@@ -397,8 +412,7 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         if not lease_ids or self._dead is not None:
             return  # a closed connection's leases are released by the node
         with self._stream():
-            self._send(Op.RELEASE, len(lease_ids), struct.pack(f"<{len(lease_ids)}Q", *lease_ids),
-                       flags=FLAG_NO_REPLY)
+            self._send(Op.RELEASE, len(lease_ids), struct.pack(f"<{len(lease_ids)}Q", *lease_ids), flags=FLAG_NO_REPLY)
 
     def close(self) -> None:
         """Close the socket (the node then releases every lease of this connection at once) and unmap."""

@@ -121,8 +121,9 @@ class ArenaWrites(DataPlaneConnection):
         checksums = [copied.get(n, 0) for n in range(len(items))]
         with self._stream():
             table = U64.pack(reservation_id) + struct.pack(f"<{len(items)}Q", *checksums)
-            committed = self._publish(Op.COMMIT, table, items, FLAG_WRITTEN, wait,
-                                      [status == Status.OK for status in statuses])
+            committed = self._publish(
+                Op.COMMIT, table, items, FLAG_WRITTEN, wait, [status == Status.OK for status in statuses]
+            )
         return [s if s != Status.OK else c for s, c in zip(statuses, committed)]
 
     def _copy_in(self, views: list, offsets: list[int]) -> list[int]:
@@ -150,8 +151,9 @@ class ArenaWrites(DataPlaneConnection):
         and gain little."""
         return sum(sizes) <= min(GRANT_MAX_BYTES, len(self._mem) // 64)
 
-    def _publish(self, op: int, table: bytes, items: list[tuple], flags: int, wait: bool,
-                 reported: list[bool] | None = None) -> list[int]:
+    def _publish(
+        self, op: int, table: bytes, items: list[tuple], flags: int, wait: bool, reported: list[bool] | None = None
+    ) -> list[int]:
         """Send a COMMIT or STORE (REGRANT when the sizes keep a grant); its statuses, or, not
         waiting, all OK with the reply left for later (``reported``: the items whose failures
         that reply may still bring, default all)."""
@@ -168,8 +170,11 @@ class ArenaWrites(DataPlaneConnection):
         if wait:
             return statuses(request_id)
         keys = [key for n, (key, _, _) in enumerate(items) if reported is None or reported[n]]
-        self._defer(request_id, keys, lambda request_id: [s for n, s in enumerate(statuses(request_id))
-                                                          if reported is None or reported[n]])
+        self._defer(
+            request_id,
+            keys,
+            lambda request_id: [s for n, s in enumerate(statuses(request_id)) if reported is None or reported[n]],
+        )
         return [Status.OK] * len(sizes)
 
     def _statuses_and_grant(self, op: int, request_id: int, sizes: list[int]) -> list[int]:

@@ -225,7 +225,8 @@ class VLLMBlockHasher:
         self.none_hash: bytes = self._fn(seed)
         self._lora_keys: tuple = (
             (("lora", _as_received(lora_name), _as_received(lora_path)),)
-            if lora_name is not None and lora_path is not None else ()  # both or neither (checked above)
+            if lora_name is not None and lora_path is not None
+            else ()  # both or neither (checked above)
         )
         # vLLM skips an empty salt, as it skips None.
         self._salt_keys: tuple = (("cache_salt", _as_received(cache_salt)),) if cache_salt else ()

@@ -108,8 +108,16 @@ class Status(IntEnum):
 # namespace and digest last). PULL's table follows its source address, STORE's its grant id.
 # Every other op but ERROR (reply only) carries no key: KEYLESS_OPS.
 KEYED_OPS: dict[int, struct.Struct] = {
-    Op.GET: KEY_HEAD, Op.PUT: PUT_ENTRY, Op.EXISTS: KEY_HEAD, Op.REMOVE: KEY_HEAD, Op.LEASE: KEY_HEAD,
-    Op.RESERVE: RESERVE_ENTRY, Op.TOUCH: KEY_HEAD, Op.PULL: PULL_ENTRY, Op.STORE: PUT_ENTRY, Op.VERIFY: KEY_HEAD,
+    Op.GET: KEY_HEAD,
+    Op.PUT: PUT_ENTRY,
+    Op.EXISTS: KEY_HEAD,
+    Op.REMOVE: KEY_HEAD,
+    Op.LEASE: KEY_HEAD,
+    Op.RESERVE: RESERVE_ENTRY,
+    Op.TOUCH: KEY_HEAD,
+    Op.PULL: PULL_ENTRY,
+    Op.STORE: PUT_ENTRY,
+    Op.VERIFY: KEY_HEAD,
 }
 KEYLESS_OPS = frozenset({Op.PING, Op.INFO, Op.RELEASE, Op.COMMIT, Op.AUTH})
 
@@ -149,8 +157,13 @@ def error_for(status: int, message: str = "") -> KVStoreError:
     cls = _ERROR_CLASSES.get(status)
     if cls is not None:
         return cls(message)
-    if status in (Status.BAD_FRAME, Status.FRAME_TOO_LARGE, Status.UNSUPPORTED, Status.UNKNOWN_LEASE,
-                  Status.SAME_HOST_ONLY):
+    if status in (
+        Status.BAD_FRAME,
+        Status.FRAME_TOO_LARGE,
+        Status.UNSUPPORTED,
+        Status.UNKNOWN_LEASE,
+        Status.SAME_HOST_ONLY,
+    ):
         return ProtocolError(message, status)
     return RemoteError(f"{message} ({name})")
 
@@ -176,8 +189,7 @@ def unpack_header(data) -> tuple[int, int, int, int, int, int]:
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}: not a kvstore data-plane frame", Status.BAD_FRAME)
     if version != VERSION:
-        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})",
-                            Status.UNSUPPORTED)
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})", Status.UNSUPPORTED)
     return op, status, flags, request_id, count, body_len
 
 
@@ -273,6 +285,8 @@ def reply_spin() -> float:
         return max(0.0, float(text)) / 1e6 if text else DEFAULT_REPLY_SPIN_US / 1e6
     except ValueError:
         raise ConfigError(f"KVSTORE_REPLY_SPIN_US must be a number of microseconds, got {text!r}") from None
+
+
 SPIN_BACKOFF = 8
 _DONTWAIT = socket.MSG_DONTWAIT
 _perf = time.perf_counter

@@ -17,17 +17,31 @@ def cluster_status_record(reply: pb.ClusterStatusReply) -> dict:
         for t in node.tiers:
             lookups = t.hits + t.misses
             tiers[t.tier] = {
-                "capacity": t.capacity, "used": t.used, "blocks": t.blocks, "hits": t.hits, "misses": t.misses,
-                "hit_rate": round(t.hits / lookups, 4) if lookups else None, "evictions": t.evictions,
-                "demotions": t.demotions, "promotions": t.promotions, "checksum_failures": t.checksum_failures,
+                "capacity": t.capacity,
+                "used": t.used,
+                "blocks": t.blocks,
+                "hits": t.hits,
+                "misses": t.misses,
+                "hit_rate": round(t.hits / lookups, 4) if lookups else None,
+                "evictions": t.evictions,
+                "demotions": t.demotions,
+                "promotions": t.promotions,
+                "checksum_failures": t.checksum_failures,
             }
-        nodes.append({
-            "node_id": node.info.node_id, "alive": node.alive, "host": node.info.host,
-            "data_address": node.info.data_address, "metrics_address": node.info.metrics_address,
-            "arena_pages": node.info.arena_pages or None,
-            "seconds_since_heartbeat": round(node.seconds_since_heartbeat, 2),
-            "indexed_blocks": node.indexed_blocks, "draining": node.draining, "tiers": tiers,
-        })
+        nodes.append(
+            {
+                "node_id": node.info.node_id,
+                "alive": node.alive,
+                "host": node.info.host,
+                "data_address": node.info.data_address,
+                "metrics_address": node.info.metrics_address,
+                "arena_pages": node.info.arena_pages or None,
+                "seconds_since_heartbeat": round(node.seconds_since_heartbeat, 2),
+                "indexed_blocks": node.indexed_blocks,
+                "draining": node.draining,
+                "tiers": tiers,
+            }
+        )
     return {"nodes": nodes, "indexed_keys": reply.indexed_keys, "replication_factor": reply.replication_factor}
 
 
@@ -58,27 +72,43 @@ def format_status(record: dict) -> str:
             hit = "-" if t["hit_rate"] is None else f"{100 * t['hit_rate']:.1f}%"
             if name == "dram" and node.get("arena_pages"):  # huge pages: same-host copies at memory speed
                 name = f"dram ({node['arena_pages']} pages)"
-            rows.append((first if i == 0 else ["", "", ""]) +
-                        [name, f"{format_size(t['used'])} / {format_size(t['capacity'])}", str(t["blocks"]), hit,
-                         str(t["evictions"])])
+            rows.append(
+                (first if i == 0 else ["", "", ""])
+                + [
+                    name,
+                    f"{format_size(t['used'])} / {format_size(t['capacity'])}",
+                    str(t["blocks"]),
+                    hit,
+                    str(t["evictions"]),
+                ]
+            )
         if not node["tiers"]:
             rows.append(first + ["-", "-", "-", "-", "-"])
-    summary = (f"{len(record['nodes'])} node(s), {record['indexed_keys']} indexed block(s), "
-               f"replication factor {record['replication_factor']}")
+    summary = (
+        f"{len(record['nodes'])} node(s), {record['indexed_keys']} indexed block(s), "
+        f"replication factor {record['replication_factor']}"
+    )
     return (_table(header, rows) + "\n" if rows else "") + summary
 
 
 def keys_record(reply: pb.ListKeysReply) -> dict:
     return {
         "namespaces": list(reply.namespaces),
-        "keys": [{"namespace": k.namespace, "digest": k.digest.hex(),
-                  "replicas": [{"node_id": r.node_id, "tier": TIER_NAMES.get(r.tier, "?")} for r in k.replicas]}
-                 for k in reply.keys],
+        "keys": [
+            {
+                "namespace": k.namespace,
+                "digest": k.digest.hex(),
+                "replicas": [{"node_id": r.node_id, "tier": TIER_NAMES.get(r.tier, "?")} for r in k.replicas],
+            }
+            for k in reply.keys
+        ],
     }
 
 
 def format_keys(record: dict) -> str:
-    rows = [[k["namespace"], k["digest"], ", ".join(f"{r['node_id']}:{r['tier']}" for r in k["replicas"])]
-            for k in record["keys"]]
+    rows = [
+        [k["namespace"], k["digest"], ", ".join(f"{r['node_id']}:{r['tier']}" for r in k["replicas"])]
+        for k in record["keys"]
+    ]
     footer = f"{len(rows)} key(s) shown; namespaces: {', '.join(record['namespaces']) or '-'}"
     return (_table(["namespace", "digest", "held by"], rows) + "\n" if rows else "") + footer

@@ -68,8 +68,10 @@ def check_tables(document: dict, commands: dict, path: str) -> None:
     """Every top-level table is a command's or a shared one."""
     for name in document:
         if name not in commands and name not in SHARED_TABLES:
-            raise ConfigError(f"{path}: unknown table [{name}] (commands: {', '.join(sorted(commands))}; "
-                              f"shared: {', '.join(SHARED_TABLES)})")
+            raise ConfigError(
+                f"{path}: unknown table [{name}] (commands: {', '.join(sorted(commands))}; "
+                f"shared: {', '.join(SHARED_TABLES)})"
+            )
 
 
 def _load(ctx: click.Context, param, value):
@@ -85,9 +87,16 @@ def _load(ctx: click.Context, param, value):
 
 
 config_option = click.option(
-    "--config", "config", metavar="FILE", envvar=CONFIG_ENV, is_eager=True, expose_value=False, callback=_load,
+    "--config",
+    "config",
+    metavar="FILE",
+    envvar=CONFIG_ENV,
+    is_eager=True,
+    expose_value=False,
+    callback=_load,
     help="TOML file whose [COMMAND] table sets this command's defaults (flags and KVSTORE_* variables win; "
-         "see docs/configuration.md) [env KVSTORE_CONFIG].")
+    "see docs/configuration.md) [env KVSTORE_CONFIG].",
+)
 
 
 def shared_table(ctx: click.Context, name: str, cls):
@@ -119,17 +128,27 @@ def effective(command: click.Command, name: str, args: list[str], parent: click.
         value = ctx.params.get(param.name)
         if param.name in ("token",) and value:
             value = "(set)"
-        out.append({"option": param.opts[0], "value": value,
-                    "source": _SOURCES.get(source.name if source else "", "default"),
-                    "env": param.envvar or _auto_envvar(name, param)})
+        out.append(
+            {
+                "option": param.opts[0],
+                "value": value,
+                "source": _SOURCES.get(source.name if source else "", "default"),
+                "env": param.envvar or _auto_envvar(name, param),
+            }
+        )
     if name in COST_MODEL_COMMANDS:
         from kvstore.scheduler.cost_model import CostParams
 
         given = shared_table(ctx, "cost_model", CostParams)
         for f in dataclasses.fields(CostParams):
-            out.append({"option": f"[cost_model] {f.name}", "value": getattr(given or CostParams(), f.name),
-                        "source": "config file" if given is not None and f.name in _table(ctx, "cost_model")
-                        else "default", "env": ""})
+            out.append(
+                {
+                    "option": f"[cost_model] {f.name}",
+                    "value": getattr(given or CostParams(), f.name),
+                    "source": "config file" if given is not None and f.name in _table(ctx, "cost_model") else "default",
+                    "env": "",
+                }
+            )
     return out
 
 
@@ -140,8 +159,13 @@ def _table(ctx: click.Context, name: str) -> dict:
     return (ctx.meta.get(_DOCUMENT_KEY) or {}).get(name) or {}
 
 
-_SOURCES = {"COMMANDLINE": "command line", "ENVIRONMENT": "environment", "DEFAULT_MAP": "config file",
-            "DEFAULT": "default", "PROMPT": "prompt"}
+_SOURCES = {
+    "COMMANDLINE": "command line",
+    "ENVIRONMENT": "environment",
+    "DEFAULT_MAP": "config file",
+    "DEFAULT": "default",
+    "PROMPT": "prompt",
+}
 
 
 def _auto_envvar(command: str, param: click.Option) -> str:

@@ -1,7 +1,7 @@
 """docs/configuration.md, generated from the commands' own definitions so it cannot drift.
 
-    python -m kvstore.configuration_doc            # rewrite docs/configuration.md
-    python -m kvstore.configuration_doc --check    # exit 1 if it is out of date (the tests run this)
+python -m kvstore.configuration_doc            # rewrite docs/configuration.md
+python -m kvstore.configuration_doc --check    # exit 1 if it is out of date (the tests run this)
 """
 
 from __future__ import annotations
@@ -80,22 +80,19 @@ SDK_ARGUMENTS = {
     "tls_ca": "the CA of a pool that speaks TLS (default: KVSTORE_TLS_CA)",
     "tls_cert": "this client's certificate, for a pool that wants mutual TLS",
     "tls_key": "the key of `tls_cert`",
-    "etcd_tls": "how an `etcd://` address reaches etcd (default: KVSTORE_ETCD_CA, KVSTORE_ETCD_CERT, "
-                "KVSTORE_ETCD_KEY)",
+    "etcd_tls": "how an `etcd://` address reaches etcd (default: KVSTORE_ETCD_CA, KVSTORE_ETCD_CERT, KVSTORE_ETCD_KEY)",
     "window": "request frames in flight on a data-plane connection: the next is sent while the node "
-              "answers the previous",
+    "answers the previous",
     "keys_per_frame": "blocks in one data-plane frame at most (and the node's `max_items`)",
-    "max_unacked_puts": "frames of `wait=False` puts a connection leaves unanswered before it reads the "
-                        "oldest replies",
+    "max_unacked_puts": "frames of `wait=False` puts a connection leaves unanswered before it reads the oldest replies",
     "reply_spin_us": "microseconds a connection polls for a small reply before it sleeps (0: never poll; "
-                     "default: KVSTORE_REPLY_SPIN_US, else 200)",
+    "default: KVSTORE_REPLY_SPIN_US, else 200)",
     "data_timeout": "seconds a data-plane dial, and each socket operation after it, may take (none: no limit)",
     "one_sided_reads": "read blocks of this host's nodes through their block directories, no round trip "
-                       "(off: every read leases)",
+    "(off: every read leases)",
     "location_cache_size": "keys whose locations are cached at most",
     "placement_growth": "a fast writer's placements grow to at most this many times `placement_bytes`",
-    "node_refresh_interval": "seconds between two refreshes of the nodes' addresses at most, when dialling "
-                             "one fails",
+    "node_refresh_interval": "seconds between two refreshes of the nodes' addresses at most, when dialling one fails",
 }
 
 SDK_TAIL = """
@@ -124,8 +121,11 @@ def client_arguments() -> dict[str, object]:
 
     from kvstore_client.client import Client
 
-    return {name: p.default for name, p in inspect.signature(Client.__init__).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return {
+        name: p.default
+        for name, p in inspect.signature(Client.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
 
 
 def _sdk_default(value: object) -> str:
@@ -181,9 +181,11 @@ def cost_model_table() -> str:
 
     rows = ["| key | default |", "|---|---|"]
     rows += [f"| `{f.name}` | `{f.default}` |" for f in dataclasses.fields(CostParams)]
-    return ("### `[cost_model]` (file only)\n\nThe conductor's cost model (`kvstore/scheduler/cost_model.py` says what "
-            "each term is): the served model's shape, the KV block size in tokens and the hardware. It decides "
-            "predicted TTFT and TBT, so set it to the engines the conductor places.\n\n" + "\n".join(rows) + "\n")
+    return (
+        "### `[cost_model]` (file only)\n\nThe conductor's cost model (`kvstore/scheduler/cost_model.py` says what "
+        "each term is): the served model's shape, the KV block size in tokens and the hardware. It decides "
+        "predicted TTFT and TBT, so set it to the engines the conductor places.\n\n" + "\n".join(rows) + "\n"
+    )
 
 
 def render() -> str:

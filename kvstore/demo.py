@@ -23,22 +23,28 @@ def fake_kv_block(key_digest: bytes, size: int) -> bytes:
     return random.Random(key_digest).randbytes(size)
 
 
-def run_demo(data_dir: str | None, dram: int, ssd: int, blocks: int, block_bytes: int, policy: str,
-             echo=print) -> dict:
+def run_demo(data_dir: str | None, dram: int, ssd: int, blocks: int, block_bytes: int, policy: str, echo=print) -> dict:
     """Store ``blocks`` blocks through a real BlockStore and verify every byte read back
     (in ``data_dir``, or a temporary directory when it is None)."""
     if data_dir is None:
         with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as scratch:
             return run_demo(scratch, dram, ssd, blocks, block_bytes, policy, echo)
     os.makedirs(data_dir, exist_ok=True)
-    config = StoreConfig(dram_capacity=dram, ssd_path=os.path.join(data_dir, "ssd"), ssd_capacity=ssd,
-                         max_block_bytes=block_bytes, policy=policy)
+    config = StoreConfig(
+        dram_capacity=dram,
+        ssd_path=os.path.join(data_dir, "ssd"),
+        ssd_capacity=ssd,
+        max_block_bytes=block_bytes,
+        policy=policy,
+    )
     hasher = BlockHasher("demo-model", block_size=16)
     tokens = list(range(blocks * 16))
     keys = hasher.keys(tokens)
     with BlockStore(config) as store:
-        echo(f"block store: DRAM {format_size(dram)} in shared memory ({store.dram.arena.path}), "
-             f"SSD {format_size(ssd)} under {config.ssd_path}")
+        echo(
+            f"block store: DRAM {format_size(dram)} in shared memory ({store.dram.arena.path}), "
+            f"SSD {format_size(ssd)} under {config.ssd_path}"
+        )
         start = time.perf_counter()
         for depth, key in enumerate(keys):
             store.put(key, fake_kv_block(key[1], block_bytes), depth=depth)
@@ -49,8 +55,10 @@ def run_demo(data_dir: str | None, dram: int, ssd: int, blocks: int, block_bytes
         good = sum(store.get(key) == fake_kv_block(key[1], block_bytes) for key in keys[:matched])
         get_s = time.perf_counter() - start
         stats = store.stats()
-    echo(f"stored {len(keys)} blocks of {format_size(block_bytes)} in {put_s:.2f}s; "
-         f"prefix match finds {matched}; {good} read back byte-exact in {get_s:.2f}s")
+    echo(
+        f"stored {len(keys)} blocks of {format_size(block_bytes)} in {put_s:.2f}s; "
+        f"prefix match finds {matched}; {good} read back byte-exact in {get_s:.2f}s"
+    )
     echo(format_stats(stats))
     return {"blocks": len(keys), "matched": matched, "verified": good, "stats": stats}
 

@@ -79,8 +79,9 @@ class MetricsServer:
         self._access = access
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="metrics-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="metrics-http", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -128,7 +129,7 @@ class MetricsServer:
 
             def _admitted(self) -> bool:
                 header = self.headers.get("Authorization") or ""
-                token = header[len("Bearer "):] if header.startswith("Bearer ") else None
+                token = header[len("Bearer ") :] if header.startswith("Bearer ") else None
                 principal = access.bearer(token)
                 if principal is None:
                     self._reply(401, "text/plain; charset=utf-8", b"an admin token is required\n")

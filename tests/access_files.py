@@ -7,10 +7,10 @@ from pathlib import Path
 
 ADMIN = "admin-token-0123456789abcdef"
 NODE = "node-token-0123456789abcdef"
-NODE2 = "node2-token-0123456789abcdef"   # a second node's token: may not speak for the first's id
-TENANT_A = "tenant-a-token-0123456789"    # namespaces "acme" and "acme-*"
-TENANT_B = "tenant-b-token-0123456789"    # namespace "globex"
-WRONG = "not-a-token-of-this-file-0123"   # well-formed, in no access file
+NODE2 = "node2-token-0123456789abcdef"  # a second node's token: may not speak for the first's id
+TENANT_A = "tenant-a-token-0123456789"  # namespaces "acme" and "acme-*"
+TENANT_B = "tenant-b-token-0123456789"  # namespace "globex"
+WRONG = "not-a-token-of-this-file-0123"  # well-formed, in no access file
 
 NS_A, NS_A2, NS_B = "acme", "acme-chat", "globex"
 

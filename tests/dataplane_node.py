@@ -28,14 +28,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--namespaces", help="comma-separated; default: any")
     parser.add_argument("--no-promote", action="store_true", help="SSD hits stay on SSD")
     args = parser.parse_args(argv)
-    config = StoreConfig(dram_capacity=args.dram, ssd_path=args.ssd_path, ssd_capacity=args.ssd if args.ssd_path else 0,
-                         max_block_bytes=args.max_block, promote_on_hit=not args.no_promote,
-                         namespaces=frozenset(args.namespaces.split(",")) if args.namespaces else None)
+    config = StoreConfig(
+        dram_capacity=args.dram,
+        ssd_path=args.ssd_path,
+        ssd_capacity=args.ssd if args.ssd_path else 0,
+        max_block_bytes=args.max_block,
+        promote_on_hit=not args.no_promote,
+        namespaces=frozenset(args.namespaces.split(",")) if args.namespaces else None,
+    )
     with BlockStore(config) as store:
         server = DataPlaneServer(store, unix_path=args.unix, node_id="test-node", max_frame_bytes=args.max_frame)
         server.start()
-        print(json.dumps({"address": server.address, "unix_path": server.unix_path,
-                          "arena": server.info()["arena"]}), flush=True)
+        print(
+            json.dumps({"address": server.address, "unix_path": server.unix_path, "arena": server.info()["arena"]}),
+            flush=True,
+        )
         sys.stdin.read()
         server.stop()
 

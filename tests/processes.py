@@ -20,8 +20,14 @@ class Service:
         the command, so ``proc.pid`` is the service's own pid)."""
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         self.args = args
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "kvstore.cli", *args, "--json"], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "kvstore.cli", *args, "--json"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         line = self.proc.stdout.readline()
         if not line:
             err = self.proc.stderr.read()
@@ -60,16 +66,45 @@ class Service:
             stream.close()
 
 
-def start_master(port: int = 0, ttl: float = 1.0, replicas: int = 1, extra: tuple[str, ...] = (),
-                 prefix: tuple[str, ...] = ()) -> Service:
-    return Service(["master", "--port", str(port), "--metrics-port", "0", "--ttl", str(ttl),
-                    "--replicas", str(replicas), *extra], prefix)
+def start_master(
+    port: int = 0, ttl: float = 1.0, replicas: int = 1, extra: tuple[str, ...] = (), prefix: tuple[str, ...] = ()
+) -> Service:
+    return Service(
+        ["master", "--port", str(port), "--metrics-port", "0", "--ttl", str(ttl), "--replicas", str(replicas), *extra],
+        prefix,
+    )
 
 
-def start_node(master: str, data_dir: Path, dram: str = "32MiB", ssd: str = "64MiB", max_block: str = "4MiB",
-               extra: tuple[str, ...] = (), prefix: tuple[str, ...] = ()) -> Service:
-    return Service(["node", "--master", master, "--port", "0", "--metrics-port", "0", "--data-dir", str(data_dir),
-                    "--dram", dram, "--ssd", ssd, "--max-block", max_block, *extra], prefix)
+def start_node(
+    master: str,
+    data_dir: Path,
+    dram: str = "32MiB",
+    ssd: str = "64MiB",
+    max_block: str = "4MiB",
+    extra: tuple[str, ...] = (),
+    prefix: tuple[str, ...] = (),
+) -> Service:
+    return Service(
+        [
+            "node",
+            "--master",
+            master,
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--data-dir",
+            str(data_dir),
+            "--dram",
+            dram,
+            "--ssd",
+            ssd,
+            "--max-block",
+            max_block,
+            *extra,
+        ],
+        prefix,
+    )
 
 
 def recv_exact(sock, n: int) -> bytes:

@@ -59,8 +59,13 @@ def fake_engine() -> tuple[web.Application, list]:
             await asyncio.sleep(4)
         n = body.get("max_tokens", 16)
         if not body.get("stream"):
-            return web.json_response({"object": "text_completion", "choices": [
-                {"index": 0, "text": " ".join(f"w{i}" for i in range(n))}], "echo": body})
+            return web.json_response(
+                {
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": " ".join(f"w{i}" for i in range(n))}],
+                    "echo": body,
+                }
+            )
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         for i in range(n):
@@ -83,10 +88,10 @@ class FakeBackend:
     """Two engines (``P`` prefill, ``D`` decode) at ``url``; ``overloaded`` set: Schedule rejects."""
 
     def __init__(self, url: str, block_size: int = 4):
-        self.records = [EngineRecord("P", url, "prefill", {"prefill": "P"}, "ns/layer1", block_size, "sha256", None,
-                                     "tiny"),
-                        EngineRecord("D", url, "decode", {"decode": "D"}, "ns/layer1", block_size, "sha256", None,
-                                     "tiny")]
+        self.records = [
+            EngineRecord("P", url, "prefill", {"prefill": "P"}, "ns/layer1", block_size, "sha256", None, "tiny"),
+            EngineRecord("D", url, "decode", {"decode": "D"}, "ns/layer1", block_size, "sha256", None, "tiny"),
+        ]
         self.overloaded: str | None = None
         self.scheduled: list = []
         self.reports: list = []

@@ -42,7 +42,9 @@ def test_random_alloc_free(ops, seed):
         else:
             off = alloc.alloc(size)
             if off is None:
-                assert alloc.free_bytes < alloc.extent_size(size) or alloc.largest_free_extent() < alloc.extent_size(size)
+                assert alloc.free_bytes < alloc.extent_size(size) or alloc.largest_free_extent() < alloc.extent_size(
+                    size
+                )
             else:
                 assert off % GRANULE == 0 and off not in live
                 live[off] = size

@@ -79,8 +79,9 @@ def invisible_pid() -> int:
 
 
 def spawn_owner(name: str = "", prefix: list[str] = ()) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([*prefix, sys.executable, "-c", OWNER, name], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-c", OWNER, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     return proc, proc.stdout.readline().strip()
 
 
@@ -221,10 +222,19 @@ MOUNTINFO = [
 ]
 
 
-@pytest.mark.parametrize("path, expected", [
-    ("/dev/shm", False), ("/dev/shm/kvstore", False), ("/mnt/huge", True), ("/mnt/huge/arenas", True),
-    ("/mnt/huge/advise", False), ("/mnt/hugepages", False), ("/mnt/tlb/x", True), ("/tmp", False),
-])
+@pytest.mark.parametrize(
+    "path, expected",
+    [
+        ("/dev/shm", False),
+        ("/dev/shm/kvstore", False),
+        ("/mnt/huge", True),
+        ("/mnt/huge/arenas", True),
+        ("/mnt/huge/advise", False),
+        ("/mnt/hugepages", False),
+        ("/mnt/tlb/x", True),
+        ("/tmp", False),
+    ],
+)
 def test_huge_pages_come_from_the_innermost_mount(path, expected):
     assert huge_pages_in(MOUNTINFO, path) is expected
 
@@ -233,8 +243,8 @@ def test_no_mount_table_means_unknown():
     assert huge_pages_in([], "/dev/shm") is None
 
 
-
 # -- huge pages on a 4 KiB tmpfs (kvstore.tiers.hugepages) -------------------------------------
+
 
 def pmd_mapped_bytes(path: str, pid: int | str = "self") -> int:
     """Bytes of ``path`` that process ``pid`` maps with 2 MiB page-table entries (kernel's word:

@@ -26,8 +26,14 @@ def kvstore(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     environment = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     environment.pop("KVSTORE_TOKEN", None)
     environment.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=environment, timeout=TIMEOUT)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=environment,
+        timeout=TIMEOUT,
+    )
 
 
 def refused(result: subprocess.CompletedProcess, *phrases: str) -> str:
@@ -55,16 +61,40 @@ def test_a_non_loopback_master_without_auth_refuses_to_start(host):
 
 
 def test_a_non_loopback_node_without_auth_refuses_to_start(tmp_path):
-    refused(kvstore("node", "--master", "127.0.0.1:9", "--host", "0.0.0.0", "--port", "0", "--metrics-port", "-1",
-                    "--data-dir", str(tmp_path), "--dram", "8MiB", "--ssd", "0"), "--auth", "--insecure")
+    refused(
+        kvstore(
+            "node",
+            "--master",
+            "127.0.0.1:9",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--data-dir",
+            str(tmp_path),
+            "--dram",
+            "8MiB",
+            "--ssd",
+            "0",
+        ),
+        "--auth",
+        "--insecure",
+    )
 
 
 def test_insecure_starts_serves_and_warns(tmp_path):
     log = tmp_path / "master.err"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *MASTER, "--host", "0.0.0.0", "--insecure",
-                                 "--json"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"),
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli", *MASTER, "--host", "0.0.0.0", "--insecure", "--json"],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1"),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     try:
         port = json.loads(proc.stdout.readline())["master"].rsplit(":", 1)[1]
         with Client(f"127.0.0.1:{port}") as client:
@@ -102,9 +132,24 @@ def test_a_broken_access_file_is_refused_clearly(tmp_path):
 
 def test_a_tenants_token_for_a_service_is_refused(access_file, tmp_path):
     refused(kvstore(*MASTER, "--auth", access_file, "--token", TENANT_A), "tenant", "acme")
-    result = kvstore("node", "--master", "127.0.0.1:9", "--port", "0", "--metrics-port", "-1", "--data-dir",
-                     str(tmp_path), "--dram", "8MiB", "--ssd", "0", "--auth", access_file,
-                     env={"KVSTORE_TOKEN": TENANT_B})
+    result = kvstore(
+        "node",
+        "--master",
+        "127.0.0.1:9",
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--data-dir",
+        str(tmp_path),
+        "--dram",
+        "8MiB",
+        "--ssd",
+        "0",
+        "--auth",
+        access_file,
+        env={"KVSTORE_TOKEN": TENANT_B},
+    )
     refused(result, "tenant", "globex")
     refused(kvstore(*MASTER, "--auth", access_file, "--token", WRONG), "not a token of")
 
@@ -112,8 +157,25 @@ def test_a_tenants_token_for_a_service_is_refused(access_file, tmp_path):
 # -- kvstore up --auth, status and keys with tokens, metrics ----------------------------------------------
 @pytest.fixture(scope="module")
 def up(access_file, tmp_path_factory):
-    service = Service(["up", "--port", "0", "--data-port", "0", "--metrics-port", "0", "--data-dir",
-                       str(tmp_path_factory.mktemp("up")), "--dram", "16MiB", "--ssd", "0", "--auth", access_file])
+    service = Service(
+        [
+            "up",
+            "--port",
+            "0",
+            "--data-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--data-dir",
+            str(tmp_path_factory.mktemp("up")),
+            "--dram",
+            "16MiB",
+            "--ssd",
+            "0",
+            "--auth",
+            access_file,
+        ]
+    )
     yield service.record
     service.close()
 
@@ -121,8 +183,10 @@ def up(access_file, tmp_path_factory):
 def test_up_with_an_access_file_runs_its_node_with_the_files_node_token(up):
     """`kvstore up --auth FILE` takes the file's node token; `kvstore status --token ADMIN` shows the node."""
     master = up["master"]
-    wait_for(lambda: up["node_id"] in kvstore("status", "--master", master, "--token", ADMIN, "--json").stdout,
-             timeout=TIMEOUT)
+    wait_for(
+        lambda: up["node_id"] in kvstore("status", "--master", master, "--token", ADMIN, "--json").stdout,
+        timeout=TIMEOUT,
+    )
     record = json.loads(kvstore("status", "--master", master, "--token", ADMIN, "--json").stdout)
     assert up["node_id"] in json.dumps(record)
     refused(kvstore("status", "--master", master), "Unauthenticated")

@@ -220,8 +220,10 @@ def test_an_unknown_key_id_fails_at_the_proof_not_at_hello(node, transport):
 
 
 def test_the_sdk_with_a_wrong_token_is_refused_typed(node):
-    for connect in (lambda: TcpConnection(node.address, credentials=Credentials(WRONG)),
-                    lambda: UnixConnection(node.unix_path, credentials=Credentials(WRONG))):
+    for connect in (
+        lambda: TcpConnection(node.address, credentials=Credentials(WRONG)),
+        lambda: UnixConnection(node.unix_path, credentials=Credentials(WRONG)),
+    ):
         with pytest.raises(Unauthenticated):
             connect()
 
@@ -302,7 +304,7 @@ def test_get_of_another_tenants_block_is_denied_and_sends_no_bytes(node, victim,
         (s1, size1, _), (s2, size2, _) = GET_ITEM.unpack_from(body, 0), GET_ITEM.unpack_from(body, GET_ITEM.size)
         assert (s1, size1) == (DENIED, 0)
         assert (s2, size2) == (Status.OK, 1000)
-        assert body[2 * GET_ITEM.size:] == b"a" * 1000  # only A's bytes
+        assert body[2 * GET_ITEM.size :] == b"a" * 1000  # only A's bytes
         ping(sock)
 
 
@@ -311,15 +313,19 @@ def test_put_over_another_tenants_block_is_denied_drained_and_the_connection_ser
     own = (NS_A, digest(f"own-put-{transport}"))
     forged, mine = os.urandom(48 * KiB), os.urandom(8 * KiB)
     with tenant_sock(node, transport) as sock:
-        body = (put_entry(victim, 0, len(forged), xxhash.xxh3_64_intdigest(forged))
-                + put_entry(own, 0, len(mine), xxhash.xxh3_64_intdigest(mine)) + forged + mine)
+        body = (
+            put_entry(victim, 0, len(forged), xxhash.xxh3_64_intdigest(forged))
+            + put_entry(own, 0, len(mine), xxhash.xxh3_64_intdigest(mine))
+            + forged
+            + mine
+        )
         sock.sendall(pack_header(Op.PUT, 3, 2, len(body)) + body)
         assert read_reply(sock) == (Op.PUT, Status.OK, 2, bytes([DENIED, Status.OK]))
         ping(sock)  # the forged payload was drained, not read as the next frame
         table = key_entry(own)
         sock.sendall(pack_header(Op.GET, 4, 1, len(table)) + table)
         _, status, _, reply = read_reply(sock)
-        assert status == Status.OK and reply[GET_ITEM.size:] == mine
+        assert status == Status.OK and reply[GET_ITEM.size :] == mine
     assert_intact(node)
 
 
@@ -397,12 +403,14 @@ def test_the_owner_and_the_admin_still_reach_the_victim(node, victim):
             sock.sendall(pack_header(Op.GET, 1, 1, len(table)) + table)
             _, status, _, body = read_reply(sock)
             assert status == Status.OK and GET_ITEM.unpack_from(body)[0] == Status.OK
-            assert body[GET_ITEM.size:] == VICTIM_VALUE
+            assert body[GET_ITEM.size :] == VICTIM_VALUE
 
 
 def test_the_sdk_raises_permission_denied_for_another_tenants_keys(node, victim):
-    for conn in (TcpConnection(node.address, credentials=Credentials(TENANT_A)),
-                 UnixConnection(node.unix_path, credentials=Credentials(TENANT_A))):
+    for conn in (
+        TcpConnection(node.address, credentials=Credentials(TENANT_A)),
+        UnixConnection(node.unix_path, credentials=Credentials(TENANT_A)),
+    ):
         with conn:
             with pytest.raises(PermissionDenied):
                 conn.get(victim)
@@ -427,8 +435,11 @@ def test_a_node_without_an_access_file_answers_hello_empty_and_serves(tmp_path):
             with socket.create_connection((host, int(port)), timeout=30) as sock:
                 ping(sock)  # no AUTH at all: served as before
             key = (NS_B, digest("open"))
-            for conn in (TcpConnection(server.address, credentials=Credentials(TENANT_A)),
-                         UnixConnection(server.unix_path, credentials=Credentials(TENANT_A)), TcpConnection(server.address)):
+            for conn in (
+                TcpConnection(server.address, credentials=Credentials(TENANT_A)),
+                UnixConnection(server.unix_path, credentials=Credentials(TENANT_A)),
+                TcpConnection(server.address),
+            ):
                 with conn:
                     conn.put(key, b"anyone")  # no tokens checked: no namespaces either
                     assert conn.get(key) == b"anyone"

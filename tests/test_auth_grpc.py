@@ -64,9 +64,11 @@ def minimal_request(method, namespace: str | None = None):
 
 def call(channel, service, method, request, token: str | None = None, metadata: tuple = ()):
     """One RPC by name; the reply, or the grpc.RpcError it raised."""
-    stub = channel.unary_unary(f"/{service.full_name}/{method.name}",
-                               request_serializer=lambda m: m.SerializeToString(),
-                               response_deserializer=message_class(method.output_type).FromString)
+    stub = channel.unary_unary(
+        f"/{service.full_name}/{method.name}",
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=message_class(method.output_type).FromString,
+    )
     metadata = tuple(metadata) + ((bearer_metadata(token),) if token is not None else ())
     try:
         return stub(request, timeout=10, metadata=metadata or None)
@@ -84,9 +86,10 @@ def pool(tmp_path_factory):
     tenant A's blocks (namespace "acme") and tenant B's ("globex")."""
     access = access_list(tmp_path_factory.mktemp("access"))
     master = MasterServer(ttl_s=30.0, heartbeat_interval_s=0.2, access=access).start()
-    node = StorageNode(StoreConfig(dram_capacity=8 * MiB, max_block_bytes=MiB),
-                       NodeOptions(master=master.address, unix_socket=False, access=access,
-                                   credentials=Credentials(NODE))).start()
+    node = StorageNode(
+        StoreConfig(dram_capacity=8 * MiB, max_block_bytes=MiB),
+        NodeOptions(master=master.address, unix_socket=False, access=access, credentials=Credentials(NODE)),
+    ).start()
     keys_a, keys_b = BlockHasher(NS_A, 4).keys(list(range(16))), BlockHasher(NS_B, 4).keys(list(range(8)))
     for token, keys in ((TENANT_A, keys_a), (TENANT_B, keys_b)):
         with Client(master.address, token=token, data_path="tcp", location_ttl=0) as client:
@@ -112,8 +115,9 @@ def test_every_method_has_roles():
     assert declared - set(METHOD_ROLES) == set(), "methods with no roles in METHOD_ROLES"
     assert set(METHOD_ROLES) - declared == set(), "METHOD_ROLES names methods the proto does not declare"
     for service, method in METHODS:  # AuthGate passes streaming handlers through ungated
-        assert not method.client_streaming and not method.server_streaming, \
+        assert not method.client_streaming and not method.server_streaming, (
             f"{service.name}/{method.name} streams: teach AuthGate to gate it first"
+        )
     for name, roles in METHOD_ROLES.items():
         assert ADMIN_ROLE in roles, name
         assert not {NODE_ROLE, TENANT_ROLE} <= roles, f"{name}: nodes or tenants, not both"
@@ -122,10 +126,21 @@ def test_every_method_has_roles():
 
 @pytest.mark.parametrize("service,method", METHODS, ids=IDS)
 def test_no_token_and_a_wrong_token_are_unauthenticated(channel, service, method):
-    for token, metadata in ((None, ()), (WRONG, ()), ("", ()), (None, (("authorization", f"Basic {ADMIN}"),)),
-                            (None, (("authorization", ADMIN),))):
-        outcome = call(channel, service, method, minimal_request(method, NS_A if takes_namespace(method) else None),
-                       token, metadata)
+    for token, metadata in (
+        (None, ()),
+        (WRONG, ()),
+        ("", ()),
+        (None, (("authorization", f"Basic {ADMIN}"),)),
+        (None, (("authorization", ADMIN),)),
+    ):
+        outcome = call(
+            channel,
+            service,
+            method,
+            minimal_request(method, NS_A if takes_namespace(method) else None),
+            token,
+            metadata,
+        )
         assert code_of(outcome) == Code.UNAUTHENTICATED, (token, metadata, outcome)
 
 
@@ -217,10 +232,12 @@ def test_a_forged_register_is_refused_and_changes_nothing(pool, channel):
         auth = (bearer_metadata(token),) if token else ()
         calls = [
             lambda: stub.Register(pb.RegisterRequest(info=forged), timeout=10, metadata=auth + tuple(metadata)),
-            lambda: stub.ReportBlocks(pb.BlockReport(node_id=node.node_id, full_inventory=True), timeout=10,
-                                      metadata=auth + tuple(metadata)),
-            lambda: stub.Heartbeat(pb.HeartbeatRequest(node_id=node.node_id), timeout=10,
-                                   metadata=auth + tuple(metadata)),
+            lambda: stub.ReportBlocks(
+                pb.BlockReport(node_id=node.node_id, full_inventory=True), timeout=10, metadata=auth + tuple(metadata)
+            ),
+            lambda: stub.Heartbeat(
+                pb.HeartbeatRequest(node_id=node.node_id), timeout=10, metadata=auth + tuple(metadata)
+            ),
         ]
         for attempt in calls:
             with pytest.raises(grpc.RpcError) as err:

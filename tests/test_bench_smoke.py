@@ -52,8 +52,17 @@ def test_dataplane_bench_runs_small(capsys):
     dataplane.main(["--working-set", "8MiB", "--repeats", "1", "--batch-blocks", "64", "--json"])
     result = json.loads(capsys.readouterr().out)
     single = result["single"]
-    for name in ("memcpy_gbps", "shm_memcpy_gbps", "shm_get_gbps", "tcp_get_gbps", "raw_socket_gbps",
-                 "shm_put_gbps", "shm_put_nowait_gbps", "arena_write_gbps", "arena_write_xxh3_gbps"):
+    for name in (
+        "memcpy_gbps",
+        "shm_memcpy_gbps",
+        "shm_get_gbps",
+        "tcp_get_gbps",
+        "raw_socket_gbps",
+        "shm_put_gbps",
+        "shm_put_nowait_gbps",
+        "arena_write_gbps",
+        "arena_write_xxh3_gbps",
+    ):
         assert single[name] > 0
     assert single["shm_get_vs_memcpy"] > 0 and single["shm_get_vs_shm_memcpy"] > 0
     assert result["tcp_batch_64k"]["blocks_per_s"] > 0 and len(result["targets"]) == 4
@@ -65,8 +74,23 @@ def test_tiering_bench_runs_small(capsys):
     # 24 blocks of 64 KiB through 512 KiB of DRAM. How many reads promote (and so later demote)
     # depends on when the background evictor runs; the contract tests pin the behaviour down
     # (tests/test_store_contract.py, kept SSD copies).
-    tiering.main(["--blocks", "24", "--size", "64KiB", "--dram", "512KiB", "--ssd", "4MiB", "--rounds", "2",
-                  "--patterns", "cyclic,random", "--json"])
+    tiering.main(
+        [
+            "--blocks",
+            "24",
+            "--size",
+            "64KiB",
+            "--dram",
+            "512KiB",
+            "--ssd",
+            "4MiB",
+            "--rounds",
+            "2",
+            "--patterns",
+            "cyclic,random",
+            "--json",
+        ]
+    )
     results = json.loads(capsys.readouterr().out)["results"]
     assert set(results) == {"cyclic", "random"}
     for result in results.values():
@@ -92,8 +116,23 @@ def test_gc_pauses_bench_runs_small(capsys):
 def test_cpu_per_op_bench_runs_small(capsys, tmp_path):
     from bench import cpu_per_op
 
-    cpu_per_op.main(["--clients", "2", "--size", "64KiB", "--count", "8", "--seconds", "0.2", "--repeats", "1",
-                     "--unix", str(tmp_path / "node.sock"), "--json"])
+    cpu_per_op.main(
+        [
+            "--clients",
+            "2",
+            "--size",
+            "64KiB",
+            "--count",
+            "8",
+            "--seconds",
+            "0.2",
+            "--repeats",
+            "1",
+            "--unix",
+            str(tmp_path / "node.sock"),
+            "--json",
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
     for kind in ("kvstore", "raw"):
         assert result[kind]["gbps"] > 0 and result[kind]["clients_us"] > 0

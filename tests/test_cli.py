@@ -29,8 +29,20 @@ def test_help(args):
 
 
 def test_demo_stores_overflows_and_verifies(tmp_path):
-    result = kvstore("demo", "--data-dir", str(tmp_path), "--dram", "8MiB", "--ssd", "32MiB",
-                     "--blocks", "24", "--block-size", "512KiB", "--json")
+    result = kvstore(
+        "demo",
+        "--data-dir",
+        str(tmp_path),
+        "--dram",
+        "8MiB",
+        "--ssd",
+        "32MiB",
+        "--blocks",
+        "24",
+        "--block-size",
+        "512KiB",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["matched"] == report["verified"] == 24
@@ -39,8 +51,19 @@ def test_demo_stores_overflows_and_verifies(tmp_path):
 
 
 def test_demo_table_output(tmp_path):
-    result = kvstore("demo", "--data-dir", str(tmp_path), "--dram", "4MiB", "--ssd", "8MiB", "--blocks", "8",
-                     "--block-size", "256KiB")
+    result = kvstore(
+        "demo",
+        "--data-dir",
+        str(tmp_path),
+        "--dram",
+        "4MiB",
+        "--ssd",
+        "8MiB",
+        "--blocks",
+        "8",
+        "--block-size",
+        "256KiB",
+    )
     assert result.returncode == 0, result.stderr
     assert "dram" in result.stdout and "ssd" in result.stdout and "read back byte-exact" in result.stdout
 
@@ -54,8 +77,23 @@ def test_up_serves_status_keys_and_stops_cleanly_on_sigterm(tmp_path):
     from kvstore_client import BlockHasher, Client
     from tests.processes import Service, wait_for
 
-    up = Service(["up", "--port", "0", "--data-port", "0", "--metrics-port", "0", "--data-dir", str(tmp_path),
-                  "--dram", "64MiB", "--ssd", "128MiB"])
+    up = Service(
+        [
+            "up",
+            "--port",
+            "0",
+            "--data-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--data-dir",
+            str(tmp_path),
+            "--dram",
+            "64MiB",
+            "--ssd",
+            "128MiB",
+        ]
+    )
     try:
         master = up.record["master"]
         keys = BlockHasher("cli-test", 4).keys(list(range(12)))
@@ -88,8 +126,27 @@ def test_node_puts_its_arena_in_the_shm_dir_it_is_given(tmp_path):
 
     arenas = tmp_path / "arenas"
     arenas.mkdir()
-    up = Service(["up", "--port", "0", "--data-port", "0", "--metrics-port", "-1", "--data-dir", str(tmp_path / "d"),
-                  "--dram", "16MiB", "--ssd", "0", "--shm-dir", str(arenas), "--advertise", "localhost"])
+    up = Service(
+        [
+            "up",
+            "--port",
+            "0",
+            "--data-port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--dram",
+            "16MiB",
+            "--ssd",
+            "0",
+            "--shm-dir",
+            str(arenas),
+            "--advertise",
+            "localhost",
+        ]
+    )
     try:
         assert os.path.exists(arenas / up.record["shm_arena"])
         assert up.record["data"].startswith("localhost:")  # what clients elsewhere are told to dial
@@ -107,7 +164,6 @@ def test_node_puts_its_arena_in_the_shm_dir_it_is_given(tmp_path):
 def test_a_missing_shm_dir_is_a_clear_error(tmp_path):
     result = kvstore("up", "--shm-dir", str(tmp_path / "nowhere"))
     assert result.returncode == 2 and "not a directory" in result.stderr
-
 
 
 def test_stop_signals_catch_a_signal_sent_before_serving_then_stop_in_order():

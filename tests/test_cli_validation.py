@@ -16,14 +16,22 @@ NUMERIC = (click.types.IntParamType, click.types.FloatParamType, Size)  # IntRan
 # The lowest value each numeric option means something at, where that is not "at least 1" (a size: one byte;
 # a float: anything above 0). Every other numeric option, a new one included, must refuse 0 and -1.
 LOWEST = {
-    ("master", "port"): 0, ("master", "metrics_port"): -1,
-    ("node", "port"): 0, ("node", "metrics_port"): -1,
-    ("up", "port"): 0, ("up", "data_port"): 0, ("up", "metrics_port"): -1,
-    ("node", "ssd"): 0, ("up", "ssd"): 0,  # 0: no SSD tier
-    ("node", "idle_timeout"): 0, ("up", "idle_timeout"): 0,  # 0: never
-    ("node", "lease_ttl"): 0, ("up", "lease_ttl"): 0,  # 0: leases never expire
+    ("master", "port"): 0,
+    ("master", "metrics_port"): -1,
+    ("node", "port"): 0,
+    ("node", "metrics_port"): -1,
+    ("up", "port"): 0,
+    ("up", "data_port"): 0,
+    ("up", "metrics_port"): -1,
+    ("node", "ssd"): 0,
+    ("up", "ssd"): 0,  # 0: no SSD tier
+    ("node", "idle_timeout"): 0,
+    ("up", "idle_timeout"): 0,  # 0: never
+    ("node", "lease_ttl"): 0,
+    ("up", "lease_ttl"): 0,  # 0: leases never expire
     ("token", "quota"): 0,
-    ("router", "port"): 0, ("router", "index_wait"): 0,  # 0: any free port; do not wait for the index
+    ("router", "port"): 0,
+    ("router", "index_wait"): 0,  # 0: any free port; do not wait for the index
     ("drain", "wait_s"): 0,  # 0: do not wait
 }
 PORTS = {"port", "data_port", "metrics_port"}
@@ -80,9 +88,17 @@ def test_numeric_options_refuse_values_that_make_no_sense(name, param):
     assert refused(name, param, str(lowest)) is None
 
 
-@pytest.mark.parametrize("args", [["keys", "--limit", "-1"], ["keys", "--limit", "0"],
-                                  ["bench", "--rounds", "0"], ["bench", "--batch", "-1"],
-                                  ["master", "--port", "-5"], ["demo", "--blocks", "-1"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["keys", "--limit", "-1"],
+        ["keys", "--limit", "0"],
+        ["bench", "--rounds", "0"],
+        ["bench", "--batch", "-1"],
+        ["master", "--port", "-5"],
+        ["demo", "--blocks", "-1"],
+    ],
+)
 def test_bad_numbers_are_usage_errors(args):
     result = kvstore(*args)
     assert result.returncode == 2, result.stderr
@@ -93,15 +109,49 @@ def test_bad_numbers_are_usage_errors(args):
 @pytest.mark.parametrize("clients,expected", [("0", "client count"), ("1,-2", "client count"), (",", "clients")])
 def test_bench_refuses_client_counts_that_make_no_sense(clients, expected):
     # small settings, in case it ever runs
-    out = CliRunner().invoke(main, ["bench", "--clients", clients, "--sizes", "16KiB", "--bytes", "64KiB",
-                                    "--ops", "put", "--transports", "tcp", "--rounds", "1", "--no-redis", "--quiet"])
+    out = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--clients",
+            clients,
+            "--sizes",
+            "16KiB",
+            "--bytes",
+            "64KiB",
+            "--ops",
+            "put",
+            "--transports",
+            "tcp",
+            "--rounds",
+            "1",
+            "--no-redis",
+            "--quiet",
+        ],
+    )
     assert out.exit_code == 2, out.output
     assert expected in out.output
 
 
 def test_bench_refuses_a_zero_value_size():
-    out = CliRunner().invoke(main, ["bench", "--sizes", "0", "--ops", "put", "--transports", "tcp",
-                                    "--clients", "1", "--rounds", "1", "--no-redis", "--quiet"])
+    out = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--sizes",
+            "0",
+            "--ops",
+            "put",
+            "--transports",
+            "tcp",
+            "--clients",
+            "1",
+            "--rounds",
+            "1",
+            "--no-redis",
+            "--quiet",
+        ],
+    )
     assert out.exit_code == 2 and "value size must be positive" in out.output
 
 
@@ -114,8 +164,14 @@ def unusable_dirs(tmp_path) -> list[str]:
     return dirs
 
 
-@pytest.mark.parametrize("command", [["demo"], ["node", "--port", "0", "--metrics-port", "-1"],
-                                     ["up", "--port", "0", "--data-port", "0", "--metrics-port", "-1"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["demo"],
+        ["node", "--port", "0", "--metrics-port", "-1"],
+        ["up", "--port", "0", "--data-port", "0", "--metrics-port", "-1"],
+    ],
+)
 def test_an_unusable_data_dir_is_a_usage_error(tmp_path, command):
     for data_dir in unusable_dirs(tmp_path):
         result = kvstore(*command, "--data-dir", data_dir)
@@ -125,11 +181,24 @@ def test_an_unusable_data_dir_is_a_usage_error(tmp_path, command):
 
 
 def test_a_data_dir_is_made_when_missing(tmp_path):
-    result = kvstore("demo", "--data-dir", str(tmp_path / "new" / "dir"), "--dram", "4MiB", "--ssd", "8MiB",
-                     "--blocks", "4", "--block-size", "256KiB", "--json")
+    result = kvstore(
+        "demo",
+        "--data-dir",
+        str(tmp_path / "new" / "dir"),
+        "--dram",
+        "4MiB",
+        "--ssd",
+        "8MiB",
+        "--blocks",
+        "4",
+        "--block-size",
+        "256KiB",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "new" / "dir").is_dir() and not [p for p in os.listdir(tmp_path / "new" / "dir")
-                                                       if p.startswith(".kvstore-probe")]
+    assert (tmp_path / "new" / "dir").is_dir() and not [
+        p for p in os.listdir(tmp_path / "new" / "dir") if p.startswith(".kvstore-probe")
+    ]
 
 
 @pytest.mark.parametrize("value", ["master1", "master1:0", "master1:99999", "two words:7700", ":7700"])

@@ -168,9 +168,13 @@ def two_replicas(tmp_path):
     from kvstore.node.daemon import NodeOptions, StorageNode
 
     master = MasterServer(port=0, ttl_s=5.0, heartbeat_interval_s=0.5, replication_factor=2).start()
-    nodes = [StorageNode(StoreConfig(dram_capacity=16 << 20, max_block_bytes=1 << 20),
-                         NodeOptions(master=master.address, data_dir=str(tmp_path / f"n{i}"))).start()
-             for i in range(2)]  # start() returns once the master knows the node
+    nodes = [
+        StorageNode(
+            StoreConfig(dram_capacity=16 << 20, max_block_bytes=1 << 20),
+            NodeOptions(master=master.address, data_dir=str(tmp_path / f"n{i}")),
+        ).start()
+        for i in range(2)
+    ]  # start() returns once the master knows the node
     yield master.address, nodes
     for node in nodes:
         node.stop()
@@ -205,7 +209,6 @@ def test_a_damaged_copy_is_read_from_another_replica_then_dropped(two_replicas, 
         assert client.get(keys[1]) == values[1]
 
 
-
 def test_same_host_reads_of_published_blocks_need_no_master(tmp_path):
     """A block in a same-host node's directory is read without a round trip to anyone: with
     the master gone, get, get_into and batch_get still return it; a block not published there
@@ -215,8 +218,9 @@ def test_same_host_reads_of_published_blocks_need_no_master(tmp_path):
     from kvstore.node.daemon import NodeOptions, StorageNode
 
     master = MasterServer(port=0, ttl_s=5.0, heartbeat_interval_s=0.5).start()
-    node = StorageNode(StoreConfig(dram_capacity=16 << 20), NodeOptions(master=master.address,
-                                                                       data_dir=str(tmp_path / "n"))).start()
+    node = StorageNode(
+        StoreConfig(dram_capacity=16 << 20), NodeOptions(master=master.address, data_dir=str(tmp_path / "n"))
+    ).start()
     try:
         with Client(master.address, timeout=2.0) as client:
             keys = [("direct", bytes([i]) * 16) for i in range(3)]

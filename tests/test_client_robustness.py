@@ -24,8 +24,9 @@ def _pool(tmp_path, dram: int, max_block: int, idle_timeout: float | None = 300.
     from kvstore.node.daemon import NodeOptions, StorageNode
 
     master = MasterServer(port=0, ttl_s=5.0, heartbeat_interval_s=0.5).start()
-    config = StoreConfig(dram_capacity=dram, max_block_bytes=max_block,
-                         connections=ConnectionLimits(idle_timeout=idle_timeout))
+    config = StoreConfig(
+        dram_capacity=dram, max_block_bytes=max_block, connections=ConnectionLimits(idle_timeout=idle_timeout)
+    )
     node = StorageNode(config, NodeOptions(master=master.address, data_dir=str(tmp_path / "n"))).start()
     return master, node
 
@@ -92,15 +93,30 @@ def _arguments(function, hasher: BlockHasher) -> dict:
     with a parameter not named here fails the test: add it)."""
     key = ("closed", b"k" * 16)
     known = {
-        "key": key, "keys": [key], "value": b"v", "values": [b"v"], "buffer": bytearray(8),
-        "buffers": [bytearray(8)], "hasher": hasher, "tokens": list(range(8)), "blocks": [b"v", b"v"],
-        "input_length": 8, "namespace": "closed", "engine_id": "e", "role": "prefill", "node_id": "n",
-        "request_id": "r", "stage": "cancelled",
+        "key": key,
+        "keys": [key],
+        "value": b"v",
+        "values": [b"v"],
+        "buffer": bytearray(8),
+        "buffers": [bytearray(8)],
+        "hasher": hasher,
+        "tokens": list(range(8)),
+        "blocks": [b"v", b"v"],
+        "input_length": 8,
+        "namespace": "closed",
+        "engine_id": "e",
+        "role": "prefill",
+        "node_id": "n",
+        "request_id": "r",
+        "stage": "cancelled",
     }
     arguments = {}
     for name, parameter in inspect.signature(function).parameters.items():
-        if name == "self" or parameter.default is not parameter.empty or parameter.kind in (
-                parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+        if (
+            name == "self"
+            or parameter.default is not parameter.empty
+            or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+        ):
             continue
         assert name in known, f"{function.__qualname__}: no test argument for {name!r}"
         arguments[name] = known[name]
@@ -108,8 +124,11 @@ def _arguments(function, hasher: BlockHasher) -> dict:
 
 
 def _public_calls(cls) -> list[str]:
-    return sorted(name for name, member in inspect.getmembers(cls, inspect.isfunction)
-                  if not name.startswith("_") and name != "close")
+    return sorted(
+        name
+        for name, member in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_") and name != "close"
+    )
 
 
 def test_every_call_on_a_closed_client_raises_client_closed(tmp_path):
@@ -121,8 +140,9 @@ def test_every_call_on_a_closed_client_raises_client_closed(tmp_path):
         client.close()
         client.close()  # again: nothing to do, no error
         calls = [(name, getattr(client, name)) for name in _public_calls(Client)]
-        calls += [(f"scheduling.{name}", getattr(client.scheduling, name))
-                  for name in _public_calls(type(client.scheduling))]
+        calls += [
+            (f"scheduling.{name}", getattr(client.scheduling, name)) for name in _public_calls(type(client.scheduling))
+        ]
         assert len(calls) > 15 and issubclass(ClientClosed, KVStoreError)
         for _name, method in calls:
             with pytest.raises(ClientClosed):

@@ -180,8 +180,9 @@ def test_node_refresh_interval_spaces_the_refreshes(master):
     assert len(asked) == 3
 
 
-@pytest.mark.parametrize("bad", [{"window": 0}, {"keys_per_frame": 0}, {"max_unacked_puts": -1},
-                                 {"reply_spin_us": -5}, {"window": 1.5}])
+@pytest.mark.parametrize(
+    "bad", [{"window": 0}, {"keys_per_frame": 0}, {"max_unacked_puts": -1}, {"reply_spin_us": -5}, {"window": 1.5}]
+)
 def test_a_knob_that_cannot_work_is_refused(master, bad):
     with pytest.raises(ConfigError):
         Client(master, **bad)

@@ -86,7 +86,7 @@ def test_a_burst_of_puts_spreads_over_the_nodes(cluster):
     keys = keys_of(24, ns="burst")
     with Client(master.record["master"], placement_bytes=512 * KiB) as client:
         for i in range(0, len(keys), 2):
-            client.batch_put(keys[i:i + 2], [value_for(k, 256 * KiB) for k in keys[i:i + 2]])
+            client.batch_put(keys[i : i + 2], [value_for(k, 256 * KiB) for k in keys[i : i + 2]])
 
         def holders() -> set[str]:
             return {node_id for replicas in client._locate(keys, use_cache=False) for node_id, _ in replicas}
@@ -148,8 +148,9 @@ def test_node_restart_brings_ssd_blocks_back(tmp_path):
             for k, v in zip(keys, values):
                 client.put(k, v)
             wait_for(lambda: all(client.batch_exists(keys)))
-            ssd_before = wait_for(lambda: sum(t.blocks for n in client.cluster_status().nodes for t in n.tiers
-                                              if t.tier == "ssd"))
+            ssd_before = wait_for(
+                lambda: sum(t.blocks for n in client.cluster_status().nodes for t in n.tiers if t.tier == "ssd")
+            )
             node.kill()
             wait_for(lambda: not any(client.batch_exists(keys)), timeout=10)
             node = start_node(master.record["master"], tmp_path / "n", dram="2MiB", ssd="64MiB", max_block="1MiB")
@@ -178,8 +179,11 @@ def test_a_client_follows_a_restarted_node_to_its_new_port_and_arena(tmp_path, d
             node.kill()
             node = start_node(master.record["master"], tmp_path / "n", dram="8MiB", ssd="0")
             assert node.record["data"] != old_address
-            wait_for(lambda: any(n.alive and n.info.data_address == node.record["data"]
-                                 for n in client.cluster_status().nodes))
+            wait_for(
+                lambda: any(
+                    n.alive and n.info.data_address == node.record["data"] for n in client.cluster_status().nodes
+                )
+            )
             client.batch_put(after, [value_for(k, 64 * KiB) for k in after])  # redials at the new address
             assert client.batch_get(after) == [value_for(k, 64 * KiB) for k in after]
             assert client.get(before[0]) is None  # DRAM did not survive the kill: a miss, not an error
@@ -231,16 +235,22 @@ def test_metrics_endpoints(cluster):
     master, nodes = cluster
     with Client(master.record["master"], prefer_shm=False) as client:
         client.put(keys_of(1, "metrics")[0], b"m" * 5000)
-    for url, name in ((master.record["metrics"], "kvstore_"), (nodes[0].record["metrics"], "kvstore_tier_used_bytes"),
-                      (nodes[0].record["metrics"], "kvstore_ssd_written_bytes_total"),
-                      (nodes[0].record["metrics"], "kvstore_node_granted_bytes")):
+    for url, name in (
+        (master.record["metrics"], "kvstore_"),
+        (nodes[0].record["metrics"], "kvstore_tier_used_bytes"),
+        (nodes[0].record["metrics"], "kvstore_ssd_written_bytes_total"),
+        (nodes[0].record["metrics"], "kvstore_node_granted_bytes"),
+    ):
         body = urllib.request.urlopen(f"http://{url}/metrics", timeout=5).read().decode()
         assert name in body and "# TYPE" in body
     published = 0
     for node in nodes:
         body = urllib.request.urlopen(f"http://{node.record['metrics']}/metrics", timeout=5).read().decode()
-        published += int(float(next(line.split()[-1] for line in body.splitlines()
-                                    if line.startswith("kvstore_node_directory_blocks"))))
+        published += int(
+            float(
+                next(line.split()[-1] for line in body.splitlines() if line.startswith("kvstore_node_directory_blocks"))
+            )
+        )
     assert published == 1  # the block is readable without a round trip on the node that holds it
 
 
@@ -253,8 +263,9 @@ def test_replicated_blocks_survive_a_node_loss(tmp_path):
         with Client(master.record["master"], prefer_shm=False, location_ttl=0) as client:
             wait_for(lambda: len(node_ids(client)) == 3)
             client.batch_put(keys, values)
-            holders = wait_for(lambda: (loc := client._locate(keys, use_cache=False)) and
-                               all(len(r) == 2 for r in loc) and loc)
+            holders = wait_for(
+                lambda: (loc := client._locate(keys, use_cache=False)) and all(len(r) == 2 for r in loc) and loc
+            )
             victim = holders[0][0][0]
             next(n for n in nodes if n.record["node_id"] == victim).kill()
             assert client.batch_get(keys) == values  # served by the surviving replicas

@@ -13,8 +13,7 @@ BLOCK_TOKENS = 512
 
 @pytest.fixture
 def pool(tmp_path):
-    master = start_master(extra=("--schedule-policy", "kvcache_centric", "--admission", "early",
-                                 "--ttft-slo", "30"))
+    master = start_master(extra=("--schedule-policy", "kvcache_centric", "--admission", "early", "--ttft-slo", "30"))
     nodes = [start_node(master.record["master"], tmp_path / f"n{i}") for i in range(2)]
     client = Client(master.record["master"], location_ttl=0)
     wait_for(lambda: len([n for n in client.cluster_status().nodes if n.alive]) == 2)

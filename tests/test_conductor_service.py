@@ -30,8 +30,7 @@ def serve():
 
     def start(**options):
         clock = SimClock()
-        servicer = ConductorServicer(PrefixIndex(), None, SchedulingOptions(**options), lambda *a: None,
-                                     clock=clock)
+        servicer = ConductorServicer(PrefixIndex(), None, SchedulingOptions(**options), lambda *a: None, clock=clock)
         server = grpc.server(ThreadPoolExecutor(max_workers=2))
         pb_grpc.add_ConductorServicer_to_server(servicer, server)
         address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
@@ -76,7 +75,8 @@ def test_a_rejection_carries_its_reason_as_a_field(serve):
     calls.report_load(NS, "p0", queue_length=50, busy_s=100.0)
     with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as raw:
         pb_grpc.ConductorStub(channel).Schedule(
-            pb.ScheduleRequest(namespace=NS, digests=[k[1] for k in KEYS], input_length=64), timeout=30)
+            pb.ScheduleRequest(namespace=NS, digests=[k[1] for k in KEYS], input_length=64), timeout=30
+        )
     assert raw.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     reply = rejection_of(raw.value)
     assert (reply.reason, reply.estimated_ttft_s > 30.0) == ("ttft_slo", True)
@@ -113,7 +113,7 @@ def test_deregister_engine(serve):
     other = ({"p0", "p1"} - {queued.prefill_engine}).pop()
     assert {calls.schedule(KEYS, 64).prefill_engine for _ in range(4)} == {other}  # no new work for it
     assert calls.deregister_engine(NS, queued.prefill_engine).known is False  # twice: nothing to do
-    assert calls.deregister_engine(NS, "d0").ended_requests == 0              # paired only, not decoding
+    assert calls.deregister_engine(NS, "d0").ended_requests == 0  # paired only, not decoding
     calls.deregister_engine(NS, other)
     with pytest.raises(Overloaded) as none_left:
         calls.schedule(KEYS, 64)
@@ -157,10 +157,12 @@ def test_calls_naming_new_namespaces_keep_no_conductor(serve):
         stub = pb_grpc.ConductorStub(channel)
         for i in range(50):
             ns = f"new-{i}"
-            for call in (lambda: stub.Schedule(pb.ScheduleRequest(namespace=ns, digests=[b"d" * 16], input_length=8)),
-                         lambda: stub.ReportEngineLoad(pb.EngineLoad(namespace=ns, engine_id="e")),
-                         lambda: stub.ReportRequest(pb.RequestEvent(namespace=ns, request_id="r")),
-                         lambda: stub.DeregisterEngine(pb.EngineDeregistration(namespace=ns, engine_id="e"))):
+            for call in (
+                lambda: stub.Schedule(pb.ScheduleRequest(namespace=ns, digests=[b"d" * 16], input_length=8)),
+                lambda: stub.ReportEngineLoad(pb.EngineLoad(namespace=ns, engine_id="e")),
+                lambda: stub.ReportRequest(pb.RequestEvent(namespace=ns, request_id="r")),
+                lambda: stub.DeregisterEngine(pb.EngineDeregistration(namespace=ns, engine_id="e")),
+            ):
                 try:
                     call()
                 except grpc.RpcError as exc:

@@ -25,10 +25,17 @@ def effective(*args, env=None) -> dict:
 
 def test_each_source_in_its_order_of_precedence(tmp_path):
     config = tmp_path / "kv.toml"
-    config.write_text('[node]\ndram = "2GiB"\npolicy = "lfu"\nmax-connections = 77\n'
-                      'high_watermark = 0.9\nport = 9000\n')
-    got = effective("node", "--config", str(config), "--port", "9001",
-                    env={"KVSTORE_NODE_POLICY": "length_aware", "KVSTORE_NODE_SSD": "1GiB"})
+    config.write_text(
+        '[node]\ndram = "2GiB"\npolicy = "lfu"\nmax-connections = 77\nhigh_watermark = 0.9\nport = 9000\n'
+    )
+    got = effective(
+        "node",
+        "--config",
+        str(config),
+        "--port",
+        "9001",
+        env={"KVSTORE_NODE_POLICY": "length_aware", "KVSTORE_NODE_SSD": "1GiB"},
+    )
     assert (got["--port"]["value"], got["--port"]["source"]) == (9001, "command line")
     assert (got["--policy"]["value"], got["--policy"]["source"]) == ("length_aware", "environment")
     assert (got["--ssd"]["value"], got["--ssd"]["source"]) == (1 << 30, "environment")
@@ -48,13 +55,16 @@ def test_the_config_file_env_var_and_the_master_table(tmp_path):
     assert got["[cost_model] hidden"]["source"] == "default"
 
 
-@pytest.mark.parametrize("text,message", [
-    ("[node]\nbogus = 1\n", "[node] has no option 'bogus'"),
-    ("[nod]\n", "unknown table [nod]"),
-    ("[node\n", "not valid TOML"),
-    ("[node]\nmax-connections = 0\n", "max-connections"),
-    ("[cost_model]\nlayerz = 3\n", "[cost_model] has no key(s) ['layerz']"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("[node]\nbogus = 1\n", "[node] has no option 'bogus'"),
+        ("[nod]\n", "unknown table [nod]"),
+        ("[node\n", "not valid TOML"),
+        ("[node]\nmax-connections = 0\n", "max-connections"),
+        ("[cost_model]\nlayerz = 3\n", "[cost_model] has no key(s) ['layerz']"),
+    ],
+)
 def test_a_bad_file_is_refused_with_a_message_naming_what(tmp_path, text, message):
     config = tmp_path / "kv.toml"
     config.write_text(text)
@@ -65,9 +75,21 @@ def test_a_bad_file_is_refused_with_a_message_naming_what(tmp_path, text, messag
 
 
 def test_tuning_flags_reach_the_store_config(tmp_path):
-    config = build_store_config(str(tmp_path), 64 << 20, 0, 1 << 20, "lru",
-                                {"high_watermark": 0.8, "low_watermark": 0.5, "eviction_batch": 8,
-                                 "ssd_policy": "lfu", "promote_on_hit": False, "max_connections": 9})
+    config = build_store_config(
+        str(tmp_path),
+        64 << 20,
+        0,
+        1 << 20,
+        "lru",
+        {
+            "high_watermark": 0.8,
+            "low_watermark": 0.5,
+            "eviction_batch": 8,
+            "ssd_policy": "lfu",
+            "promote_on_hit": False,
+            "max_connections": 9,
+        },
+    )
     assert (config.high_watermark, config.low_watermark, config.eviction_batch) == (0.8, 0.5, 8)
     assert (config.ssd_policy, config.promote_on_hit, config.connections.max_connections) == ("lfu", False, 9)
 
@@ -77,8 +99,25 @@ def test_lease_ttl_and_a_file_reach_a_running_node(tmp_path):
 
     config = tmp_path / "kv.toml"
     config.write_text('[node]\nlease-ttl = 0\nmax-table = "1MiB"\n')
-    node = Service(["node", "--config", str(config), "--master", "127.0.0.1:1", "--port", "0", "--metrics-port",
-                    "-1", "--data-dir", str(tmp_path / "data"), "--dram", "32MiB", "--ssd", "0"])
+    node = Service(
+        [
+            "node",
+            "--config",
+            str(config),
+            "--master",
+            "127.0.0.1:1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--dram",
+            "32MiB",
+            "--ssd",
+            "0",
+        ]
+    )
     try:
         with TcpConnection(node.record["data"]) as conn:
             info = conn.info()

@@ -48,6 +48,7 @@ def test_example_runs_as_printed(code, why, pool, tmp_path):
     script.write_text(code.replace(DOC_MASTER, pool))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("KVSTORE_TOKEN", None)
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"

@@ -47,8 +47,11 @@ def compose() -> dict:
 
 def kvstore_services() -> dict[str, dict]:
     """The compose services that run the image docker/Dockerfile builds."""
-    return {name: service for name, service in compose()["services"].items()
-            if service.get("build", {}).get("dockerfile") == "docker/Dockerfile"}
+    return {
+        name: service
+        for name, service in compose()["services"].items()
+        if service.get("build", {}).get("dockerfile") == "docker/Dockerfile"
+    }
 
 
 def image_commands() -> list[list[str]]:
@@ -81,9 +84,16 @@ def parse_command(args: list[str], env: dict[str, str] | None = None) -> click.C
 def check_listening(name: str, params: dict, auth_file: str | None = None) -> None:
     """What the service would check before it listens: beyond loopback, an access file
     or --insecure (``auth_file`` stands in for the path the container reads)."""
-    security = ServiceSecurity.from_flags(auth_file, params["insecure"], params.get("token"),
-                                          params.get("tls_cert"), params.get("tls_key"), params.get("tls_ca"),
-                                          params.get("tls_mutual"), needs_token=name == "node")
+    security = ServiceSecurity.from_flags(
+        auth_file,
+        params["insecure"],
+        params.get("token"),
+        params.get("tls_cert"),
+        params.get("tls_key"),
+        params.get("tls_ca"),
+        params.get("tls_mutual"),
+        needs_token=name == "node",
+    )
     security.check_exposure(params["host"], name)
 
 
@@ -108,12 +118,27 @@ def test_the_files_the_image_copies_build_the_package(tmp_path):
             for source in sources:
                 path = ROOT / source
                 if path.is_dir():  # as Docker does: the folder's contents go into the target
-                    shutil.copytree(path, context / target, dirs_exist_ok=True,
-                                    ignore=shutil.ignore_patterns("__pycache__"))
+                    shutil.copytree(
+                        path, context / target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+                    )
                 else:
                     shutil.copy(path, context / target)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q",
-                    "-w", str(tmp_path / "wheel"), str(context)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-build-isolation",
+            "--no-deps",
+            "-q",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(context),
+        ],
+        check=True,
+        capture_output=True,
+    )
     assert list((tmp_path / "wheel").glob("kvstore-*.whl"))
 
 
@@ -159,8 +184,11 @@ def etcd_client_endpoints() -> set[str]:
 
 
 def test_masters_campaign_in_the_compose_etcd_and_advertise_a_name_the_network_resolves():
-    masters = {name: parse_command(s["command"]).params for name, s in kvstore_services().items()
-               if s["command"][0] == "master"}
+    masters = {
+        name: parse_command(s["command"]).params
+        for name, s in kvstore_services().items()
+        if s["command"][0] == "master"
+    }
     etcd = etcd_client_endpoints()
     assert len({(p["etcd_endpoints"], p["etcd_prefix"]) for p in masters.values()}) == 1, "one election"
     for name, params in masters.items():

@@ -31,10 +31,13 @@ MiB = 1 << 20
 
 
 def announce(client: Client, master: str) -> EngineAnnouncement:
-    settings = read_settings({"master": master, "role": "both", "engine_url": "http://127.0.0.1:8001",
-                              "load_report_interval": INTERVAL}, "kv_both")
-    engine = EngineAnnouncement(client, settings, NAMESPACE, block_size=16, hash_algo="sha256", hash_seed=None,
-                                model="tiny")
+    settings = read_settings(
+        {"master": master, "role": "both", "engine_url": "http://127.0.0.1:8001", "load_report_interval": INTERVAL},
+        "kv_both",
+    )
+    engine = EngineAnnouncement(
+        client, settings, NAMESPACE, block_size=16, hash_algo="sha256", hash_seed=None, model="tiny"
+    )
     engine.start()
     return engine
 
@@ -69,17 +72,19 @@ def test_an_engine_registers_again_with_the_new_leader_after_kill_9(tmp_path):
                 placement = wait_for(lambda: scheduled(scheduler), 10)
                 print(f"engine known to the new leader {time.monotonic() - took_over:.2f} s after its takeover")
                 check_picked(placement, engine)
-                assert engine.reregistered == 2   # both conductor ids, once each
+                assert engine.reregistered == 2  # both conductor ids, once each
             finally:
                 engine.close()
-            assert scheduled(scheduler) is None   # closed: deregistered from the new leader
+            assert scheduled(scheduler) is None  # closed: deregistered from the new leader
 
 
 def test_an_engine_registers_again_with_a_restarted_master(tmp_path):
     master = MasterServer(ttl_s=5.0, heartbeat_interval_s=0.2).start()
     port = master.port
-    node = StorageNode(StoreConfig(dram_capacity=8 * MiB, max_block_bytes=MiB),
-                       NodeOptions(master=master.address, unix_socket=False, data_dir=str(tmp_path / "node"))).start()
+    node = StorageNode(
+        StoreConfig(dram_capacity=8 * MiB, max_block_bytes=MiB),
+        NodeOptions(master=master.address, unix_socket=False, data_dir=str(tmp_path / "node")),
+    ).start()
     try:
         with Client(master.address, timeout=5) as client, Client(master.address, timeout=5) as scheduler:
             wait_for(lambda: client.cluster_status().nodes, 10)

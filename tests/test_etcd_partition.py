@@ -157,9 +157,15 @@ class Kvstore:
         self.log_path = log_path
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(host.command([sys.executable, "-m", "kvstore.cli", *args, "--json"]),
-                                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
-                                         preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(
+                host.command([sys.executable, "-m", "kvstore.cli", *args, "--json"]),
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                preexec_fn=die_with_parent,
+            )
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"kvstore {' '.join(args)} did not start:\n{self.stderr()}")
@@ -183,12 +189,33 @@ def start_etcd(host, root: Path) -> subprocess.Popen:
     client, peer = f"http://{host.address}:{ETCD_PORT}", "http://127.0.0.1:2380"
     with open(root / "etcd.log", "wb") as log:
         return subprocess.Popen(
-            host.command([etcd_binary(), "--name", "e", "--data-dir", str(root / "etcd"),
-                          "--listen-client-urls", client, "--advertise-client-urls", client,
-                          "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                          "--initial-cluster", f"e={peer}", "--heartbeat-interval", "50",
-                          "--election-timeout", "500"]),
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            host.command(
+                [
+                    etcd_binary(),
+                    "--name",
+                    "e",
+                    "--data-dir",
+                    str(root / "etcd"),
+                    "--listen-client-urls",
+                    client,
+                    "--advertise-client-urls",
+                    client,
+                    "--listen-peer-urls",
+                    peer,
+                    "--initial-advertise-peer-urls",
+                    peer,
+                    "--initial-cluster",
+                    f"e={peer}",
+                    "--heartbeat-interval",
+                    "50",
+                    "--election-timeout",
+                    "500",
+                ]
+            ),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
 
 
 @pytest.fixture
@@ -217,19 +244,62 @@ def cluster(tmp_path):
         wait_for(lambda: etcd.poll() is None and agent.eval("etcd_ready()"), timeout=30)
 
         def master(host, i):
-            return Kvstore(host, ["master", "--host", host.address, "--port", str(MASTER_PORT), "--metrics-port",
-                                  "-1", "--ttl", str(NODE_TTL), "--insecure", "--etcd", etcd_address,
-                                  "--etcd-lease-ttl", str(LEASE_TTL)], tmp_path / f"master{i}.log")
+            return Kvstore(
+                host,
+                [
+                    "master",
+                    "--host",
+                    host.address,
+                    "--port",
+                    str(MASTER_PORT),
+                    "--metrics-port",
+                    "-1",
+                    "--ttl",
+                    str(NODE_TTL),
+                    "--insecure",
+                    "--etcd",
+                    etcd_address,
+                    "--etcd-lease-ttl",
+                    str(LEASE_TTL),
+                ],
+                tmp_path / f"master{i}.log",
+            )
 
         services.append(master(m1, 1))
         leader = services[0].record["master"]
         wait_for(lambda: agent.eval("etcd_leader()") == leader, timeout=30)
         services.append(master(m2, 2))
-        services.append(Kvstore(n, ["node", "--master", f"etcd://{etcd_address}", "--host", n.address,
-                                    "--port", "0", "--metrics-port", "-1", "--insecure", "--data-dir",
-                                    str(tmp_path / "node"), "--dram", "64MiB", "--ssd", "0"], tmp_path / "node.log"))
-        yield {"hosts": {"e": e, "m1": m1, "m2": m2, "n": n, "c": c}, "agent": agent,
-               "m1": services[0], "m2": services[1], "node": services[2]}
+        services.append(
+            Kvstore(
+                n,
+                [
+                    "node",
+                    "--master",
+                    f"etcd://{etcd_address}",
+                    "--host",
+                    n.address,
+                    "--port",
+                    "0",
+                    "--metrics-port",
+                    "-1",
+                    "--insecure",
+                    "--data-dir",
+                    str(tmp_path / "node"),
+                    "--dram",
+                    "64MiB",
+                    "--ssd",
+                    "0",
+                ],
+                tmp_path / "node.log",
+            )
+        )
+        yield {
+            "hosts": {"e": e, "m1": m1, "m2": m2, "n": n, "c": c},
+            "agent": agent,
+            "m1": services[0],
+            "m2": services[1],
+            "node": services[2],
+        }
     finally:
         for service in reversed(services):
             service.close()
@@ -299,19 +369,24 @@ def test_leader_cut_off_from_etcd_stops_serving_and_the_standby_takes_over(clust
     assert [p for p in probes if p[0] > cut + LEASE_TTL], "no probe was sent after the lease ran out"
     # and for good: nothing served after its first refusal, through the takeover and the heal
     assert not [p for p in served if p[0] > first_refusal], "M1 served again after refusing"
-    assert all(p[3].startswith("UNAVAILABLE: this master is a standby") for p in refusals), \
-        {p[3] for p in refusals}
+    assert all(p[3].startswith("UNAVAILABLE: this master is a standby") for p in refusals), {p[3] for p in refusals}
     assert not [p for p in refusals if p[4] == m1], "M1 named itself the leader while refusing"
     m2_since = min(t for t, who in leaders if who == m2)
     assert not [p for p in served if p[0] > m2_since], "M1 served a call sent once etcd named M2 the leader"
     assert all(who == m2 for t, who in leaders if t >= m2_since), f"the leadership moved again: {leaders}"
-    print(f"partition: M1 refused {first_refusal - cut:.2f} s after the cut, M2 led {m2_since - cut:.2f} s after; "
-          f"M1 stood by naming M2 {standing_by - healed:.2f} s after the heal")
+    print(
+        f"partition: M1 refused {first_refusal - cut:.2f} s after the cut, M2 led {m2_since - cut:.2f} s after; "
+        f"M1 stood by naming M2 {standing_by - healed:.2f} s after the heal"
+    )
 
     m1_log, m2_log = cluster["m1"].stderr(), cluster["m2"].stderr()
     assert "no longer the leader: its lease deadline passed; standing by" in m1_log, m1_log
     assert "etcd unreachable" in m1_log, m1_log
     assert "no longer the leader" not in m2_log, m2_log
-    for name, text in (("master1", m1_log), ("master2", m2_log), ("node", cluster["node"].stderr()),
-                       ("client", agent.stderr())):
+    for name, text in (
+        ("master1", m1_log),
+        ("master2", m2_log),
+        ("node", cluster["node"].stderr()),
+        ("client", agent.stderr()),
+    ):
         assert "Traceback" not in text, f"{name}:\n{text[-3000:]}"

@@ -44,9 +44,13 @@ MiB = 1 << 20
 def pki(tmp_path_factory):
     directory = tmp_path_factory.mktemp("etcd-pki")
     ca, other = make_ca(directory), make_ca(directory, "another CA")
-    return {"ca": str(ca[2]), "other_ca": str(other[2]), "server": issue(directory, ca, "etcd", server=True),
-            "client": issue(directory, ca, "kvstore", server=False),
-            "stranger": issue(directory, other, "stranger", server=False)}
+    return {
+        "ca": str(ca[2]),
+        "other_ca": str(other[2]),
+        "server": issue(directory, ca, "etcd", server=True),
+        "client": issue(directory, ca, "kvstore", server=False),
+        "stranger": issue(directory, other, "stranger", server=False),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +65,17 @@ def cluster(pki, good, tmp_path_factory):
         pytest.skip("no etcd binary on PATH")
     root = tmp_path_factory.mktemp("etcd-tls")
     etcd = EtcdProcess(root, tls=EtcdServerTLS(*pki["server"], trusted_ca=pki["ca"]), client_tls=good)
-    master = MasterServer(ttl_s=30.0, heartbeat_interval_s=0.2,
-                          etcd=EtcdOptions(etcd.endpoint, "/tls", lease_ttl_s=2, tls=good)).start()
+    master = MasterServer(
+        ttl_s=30.0, heartbeat_interval_s=0.2, etcd=EtcdOptions(etcd.endpoint, "/tls", lease_ttl_s=2, tls=good)
+    ).start()
     address = f"etcd://{etcd.endpoint}/tls"
     node = None
     try:
         wait_for(lambda: master.is_leader, 15)
-        node = StorageNode(StoreConfig(dram_capacity=8 * MiB, max_block_bytes=MiB),
-                           NodeOptions(master=address, unix_socket=False,
-                                       credentials=Credentials(etcd_tls=good))).start()
+        node = StorageNode(
+            StoreConfig(dram_capacity=8 * MiB, max_block_bytes=MiB),
+            NodeOptions(master=address, unix_socket=False, credentials=Credentials(etcd_tls=good)),
+        ).start()
         wait_for(lambda: master.membership.live_nodes(), 15)
         yield etcd, master, node, address
     finally:
@@ -113,15 +119,17 @@ def test_the_etcd_variables_are_read_when_a_client_is_built(cluster, pki, monkey
         assert len(client.cluster_status().nodes) == 1
 
 
-@pytest.mark.parametrize("settings,message", [
-    (lambda pki: None, "speaks TLS"),                                                  # plain text
-    (lambda pki: EtcdTLS(pki["other_ca"], *pki["client"]), "not signed by a CA"),      # wrong CA
-    (lambda pki: EtcdTLS(pki["ca"]), "client certificate"),                            # no certificate
-    (lambda pki: EtcdTLS(pki["ca"], *pki["stranger"]), "client certificate"),          # another CA's certificate
-])
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (lambda pki: None, "speaks TLS"),  # plain text
+        (lambda pki: EtcdTLS(pki["other_ca"], *pki["client"]), "not signed by a CA"),  # wrong CA
+        (lambda pki: EtcdTLS(pki["ca"]), "client certificate"),  # no certificate
+        (lambda pki: EtcdTLS(pki["ca"], *pki["stranger"]), "client certificate"),  # another CA's certificate
+    ],
+)
 @needs_etcd
-def test_a_client_misconfigured_for_etcd_gets_a_clear_typed_error_at_once(cluster, pki, settings, message,
-                                                                          monkeypatch):
+def test_a_client_misconfigured_for_etcd_gets_a_clear_typed_error_at_once(cluster, pki, settings, message, monkeypatch):
     for name in ("KVSTORE_ETCD_CA", "KVSTORE_ETCD_CERT", "KVSTORE_ETCD_KEY"):
         monkeypatch.delenv(name, raising=False)
     _, _, _, address = cluster
@@ -129,7 +137,7 @@ def test_a_client_misconfigured_for_etcd_gets_a_clear_typed_error_at_once(cluste
     with Client(address, etcd_tls=settings(pki), timeout=10) as client:
         with pytest.raises(ServiceUnavailable, match=message):
             client.cluster_status()
-    assert time.monotonic() - start < 5   # not the call's 10 s timeout: a handshake failure is not retried
+    assert time.monotonic() - start < 5  # not the call's 10 s timeout: a handshake failure is not retried
     etcd = Etcd([cluster[0].endpoint], tls=settings(pki))
     try:
         with pytest.raises(EtcdTLSError, match=message):
@@ -145,8 +153,23 @@ def test_a_master_misconfigured_for_etcd_stops_at_start(cluster, pki):
         MasterServer(etcd=EtcdOptions(etcd.endpoint, "/tls", lease_ttl_s=2)).start()
     with pytest.raises(EtcdTLSError, match="client certificate"):
         MasterServer(etcd=EtcdOptions(etcd.endpoint, "/tls", lease_ttl_s=2, tls=EtcdTLS(pki["ca"]))).start()
-    result = CliRunner().invoke(main, ["master", "--port", "0", "--metrics-port", "-1", "--etcd", etcd.endpoint,
-                                       "--etcd-prefix", "/tls", "--etcd-ca", pki["other_ca"]], env={})
+    result = CliRunner().invoke(
+        main,
+        [
+            "master",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--etcd",
+            etcd.endpoint,
+            "--etcd-prefix",
+            "/tls",
+            "--etcd-ca",
+            pki["other_ca"],
+        ],
+        env={},
+    )
     assert result.exit_code == 1 and "EtcdTLSError" in result.output and "--etcd-ca" in result.output, result.output
 
 
@@ -154,8 +177,22 @@ def test_a_master_misconfigured_for_etcd_stops_at_start(cluster, pki):
 def test_the_cli_reaches_an_etcd_address_with_its_etcd_flags(cluster, pki):
     _, _, node, address = cluster
     runner = CliRunner()
-    result = runner.invoke(main, ["status", "--master", address, "--json", "--etcd-ca", pki["ca"],
-                                  "--etcd-cert", pki["client"][0], "--etcd-key", pki["client"][1]], env={})
+    result = runner.invoke(
+        main,
+        [
+            "status",
+            "--master",
+            address,
+            "--json",
+            "--etcd-ca",
+            pki["ca"],
+            "--etcd-cert",
+            pki["client"][0],
+            "--etcd-key",
+            pki["client"][1],
+        ],
+        env={},
+    )
     assert result.exit_code == 0, result.output
     assert [n["node_id"] for n in json.loads(result.output)["nodes"]] == [node.info().node_id]
     result = runner.invoke(main, ["status", "--master", address], env={})

@@ -21,8 +21,9 @@ from kvstore_client.cluster_address import parse_etcd_address
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 
-needs_etcd = pytest.mark.skipif(etcd_binary() is None,
-                                reason="no etcd binary on PATH (apt-get install etcd-server; scripts/test does it as root)")
+needs_etcd = pytest.mark.skipif(
+    etcd_binary() is None, reason="no etcd binary on PATH (apt-get install etcd-server; scripts/test does it as root)"
+)
 
 
 def test_etcd_addresses_parse():
@@ -45,8 +46,9 @@ def _register(address: str) -> grpc.RpcError | None:
     """A mutating RPC sent straight to one master; the error it got (None: it was served)."""
     with grpc.insecure_channel(address) as channel:
         try:
-            pb_grpc.MasterStub(channel).Register(pb.RegisterRequest(info=pb.NodeInfo(
-                node_id="intruder", data_address="127.0.0.1:1")), timeout=5)
+            pb_grpc.MasterStub(channel).Register(
+                pb.RegisterRequest(info=pb.NodeInfo(node_id="intruder", data_address="127.0.0.1:1")), timeout=5
+            )
         except grpc.RpcError as exc:
             return exc
     return None

@@ -15,8 +15,13 @@ MiB = 1 << 20
 
 
 def test_a_short_fuzz_run_breaks_nothing():
-    proc = subprocess.run([sys.executable, "-m", "bench.fuzz", "--frames", "200000", "--seconds", "10",
-                           "--seed", "7", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.fuzz", "--frames", "200000", "--seconds", "10", "--seed", "7", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.stdout, proc.stderr[-4000:]
     r = json.loads(proc.stdout)
     assert r["frames_sent"] > 0 and r["replies"] > 0 and r["grpc_calls"] > 0

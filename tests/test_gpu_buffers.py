@@ -35,10 +35,12 @@ def test_a_tensor_on_a_device_this_process_cannot_reach_is_refused_before_anythi
 
     meta = torch.empty(1024, device="meta")  # a real tensor outside host memory, on every torch build
     with Client("127.0.0.1:1", timeout=1.0) as client:  # no pool: the buffers are checked first
-        for call in (lambda: client.put(make_key("d", b"k"), meta),
-                     lambda: client.batch_put([make_key("d", b"k")], [meta]),
-                     lambda: client.get_into(make_key("d", b"k"), meta),
-                     lambda: client.batch_get_into([make_key("d", b"k")], [meta])):
+        for call in (
+            lambda: client.put(make_key("d", b"k"), meta),
+            lambda: client.batch_put([make_key("d", b"k")], [meta]),
+            lambda: client.get_into(make_key("d", b"k"), meta),
+            lambda: client.batch_get_into([make_key("d", b"k")], [meta]),
+        ):
             with pytest.raises(DeviceUnavailable) as raised:
                 call()
             assert raised.value.device == "meta" and isinstance(raised.value, InvalidValue)
@@ -119,13 +121,15 @@ def test_arena_mappings_are_found_by_address_and_say_when_they_go(tmp_path):
 
 
 def test_the_sdk_imports_and_moves_host_buffers_without_torch():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import numpy as np\n"
-            "import kvstore_client, kvstore_client.client, kvstore_client.shm, kvstore_client.cuda\n"
-            "from kvstore_client.buffers import buffer_view\n"
-            "assert bytes(buffer_view(b'abc')) == b'abc' and buffer_view(np.zeros(4, np.float32)).nbytes == 16\n"
-            "import kvstore_client.vllm.layouts\n"
-            "print('ok')\n")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import numpy as np\n"
+        "import kvstore_client, kvstore_client.client, kvstore_client.shm, kvstore_client.cuda\n"
+        "from kvstore_client.buffers import buffer_view\n"
+        "assert bytes(buffer_view(b'abc')) == b'abc' and buffer_view(np.zeros(4, np.float32)).nbytes == 16\n"
+        "import kvstore_client.vllm.layouts\n"
+        "print('ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
@@ -135,8 +139,9 @@ def test_gpu_check_without_a_gpu_says_so_and_exits_0():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: bench.gpu_check runs its checks")
-    out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--json"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["gpu"] is False and "CUDA" in result["reason"]
@@ -145,11 +150,17 @@ def test_gpu_check_without_a_gpu_says_so_and_exits_0():
 
 def test_gpu_check_runs_every_check_on_cpu_tensors_as_a_dry_run():
     pytest.importorskip("torch")
-    out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--json", "--device", "cpu", "--sizes", "1",
-                          "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--json", "--device", "cpu", "--sizes", "1", "--repeats", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     result = json.loads(out.stdout)
     assert [c for c in result["checks"] if not c["ok"]] == [] and out.returncode == 0, out.stderr[-3000:]
     assert result["gpu"] is False and result["device"] == "cpu"
-    assert {(c["path"], c["dtype"]) for c in result["checks"]} >= {(p, d) for p in ("shm", "tcp")
-                                                                    for d in ("bfloat16", "float16", "float32")}
+    assert {(c["path"], c["dtype"]) for c in result["checks"]} >= {
+        (p, d) for p in ("shm", "tcp") for d in ("bfloat16", "float16", "float32")
+    }
     assert [r["size_mib"] for r in result["rates"]] == [1] and result["rates"][0]["shm_round_trip_ok"]

@@ -42,9 +42,18 @@ def exported_by_node_collector() -> set[str]:
     from kvstore.node.node_metrics import node_metrics
     from kvstore.node.store import BlockStore
 
-    with tempfile.TemporaryDirectory() as ssd_dir, \
-            BlockStore(StoreConfig(dram_capacity="8MiB", ssd_path=ssd_dir, ssd_capacity="16MiB",
-                                   max_block_bytes="1MiB", directory_slots=4096)) as store:
+    with (
+        tempfile.TemporaryDirectory() as ssd_dir,
+        BlockStore(
+            StoreConfig(
+                dram_capacity="8MiB",
+                ssd_path=ssd_dir,
+                ssd_capacity="16MiB",
+                max_block_bytes="1MiB",
+                directory_slots=4096,
+            )
+        ) as store,
+    ):
         store.put(("grafana", b"k"), b"x" * 4096)
         rows = node_metrics(SimpleNamespace(store=store, node_id="node-test"))
     return {row[0] for row in rows}
@@ -73,9 +82,14 @@ def targets(dashboard: dict):
 
 
 def test_the_collectors_export_what_the_source_names(exported):
-    assert {"kvstore_master_nodes_alive", "kvstore_master_rpcs_total", "kvstore_tier_used_bytes",
-            "kvstore_tier_hits_total", "kvstore_node_directory_blocks",
-            "kvstore_master_kv_events_dropped_total"} <= exported
+    assert {
+        "kvstore_master_nodes_alive",
+        "kvstore_master_rpcs_total",
+        "kvstore_tier_used_bytes",
+        "kvstore_tier_hits_total",
+        "kvstore_node_directory_blocks",
+        "kvstore_master_kv_events_dropped_total",
+    } <= exported
 
 
 def test_the_dashboard_is_a_grafana_dashboard_with_panels(dashboard):

@@ -38,7 +38,7 @@ def reference_hit_ratio(requests: list[dict], policy: str, capacity: int | None,
     without sparing the ongoing request's blocks)."""
     cap = float("inf") if capacity is None else capacity
     state: dict = {}  # block -> [hits, depth, last access]
-    heap: list = []   # (rank, block); an entry is stale when its rank is no longer the block's
+    heap: list = []  # (rank, block); an entry is stale when its rank is no longer the block's
     clock = itertools.count()
 
     def rank(block):
@@ -111,7 +111,9 @@ def check_against_reference(requests: list[dict], policy: str) -> None:
         capacity = hit_rate.parse_capacity(text)
         got = hit_rate.replay(requests, policy, capacity)["prefix_hit_ratio"]
         want = reference_hit_ratio(requests, policy, capacity)
-        assert got == pytest.approx(want, abs=TOLERANCE), f"{policy} at {text} blocks: bench {got:.4f}, reference {want:.4f}"
+        assert got == pytest.approx(want, abs=TOLERANCE), (
+            f"{policy} at {text} blocks: bench {got:.4f}, reference {want:.4f}"
+        )
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
@@ -133,8 +135,11 @@ def test_bench_matches_reference_on_real_trace(policy):
 
 def test_reference_counts_a_hand_worked_trace():
     # capacity 3, LFU: request 2 reads 0 and 1, so storing 3 must evict 2 (never read).
-    trace = [{"timestamp": 0, "hash_ids": [0, 1, 2]}, {"timestamp": 1, "hash_ids": [0, 1, 3]},
-             {"timestamp": 2, "hash_ids": [0, 1, 2]}]
+    trace = [
+        {"timestamp": 0, "hash_ids": [0, 1, 2]},
+        {"timestamp": 1, "hash_ids": [0, 1, 3]},
+        {"timestamp": 2, "hash_ids": [0, 1, 2]},
+    ]
     assert reference_hit_ratio(trace, "lfu", 3) == pytest.approx(4 / 9)
     # capacity 2, one request of 3 fresh blocks: its own blocks are never victims, it stores 2.
     long = [{"timestamp": 0, "hash_ids": [0, 1, 2]}, {"timestamp": 1, "hash_ids": [0, 1, 2]}]

@@ -120,8 +120,7 @@ def test_find_cycles_sees_a_cycle():
 
 def test_relative_and_lazy_imports_count(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("from . import sibling\nfrom ..up import thing\n"
-                      "def f():\n    import kvstore.node.store\n")
+    module.write_text("from . import sibling\nfrom ..up import thing\ndef f():\n    import kvstore.node.store\n")
     names = {name for name, _ in _imports(module, "kvstore.transport.m")}
     assert {"kvstore.transport.sibling", "kvstore.up.thing", "kvstore.node.store"} <= names
 

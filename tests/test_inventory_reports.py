@@ -17,8 +17,16 @@ KiB = 1024
 
 @pytest.fixture
 def store(tmp_path):
-    store = BlockStore(StoreConfig(dram_capacity=64 * KiB, max_block_bytes=4 * KiB, ssd_path=str(tmp_path / "ssd"),
-                                   ssd_capacity=1024 * KiB, policy="lru", background_eviction=False))
+    store = BlockStore(
+        StoreConfig(
+            dram_capacity=64 * KiB,
+            max_block_bytes=4 * KiB,
+            ssd_path=str(tmp_path / "ssd"),
+            ssd_capacity=1024 * KiB,
+            policy="lru",
+            background_eviction=False,
+        )
+    )
     for i in range(100):  # 64 KiB of DRAM holds 16 of these: the rest are demoted to SSD
         store.put(("llama/a" if i % 3 else "other", i.to_bytes(1 + i % 20, "big")), bytes(4 * KiB))
     yield store

@@ -97,8 +97,18 @@ def uid(workload: dict, container: dict) -> int:
 def quantity(text) -> int:
     """A Kubernetes quantity in bytes (10Gi, 512Mi, 1G)."""
     number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i?|k)?", str(text)).groups()
-    factor = {None: 1, "k": 1000, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
-              "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}[unit]
+    factor = {
+        None: 1,
+        "k": 1000,
+        "K": 1000,
+        "M": 1000**2,
+        "G": 1000**3,
+        "T": 1000**4,
+        "Ki": 1 << 10,
+        "Mi": 1 << 20,
+        "Gi": 1 << 30,
+        "Ti": 1 << 40,
+    }[unit]
     return int(float(number) * factor)
 
 
@@ -106,8 +116,10 @@ def quantity(text) -> int:
 def env_values(workload: dict, container: dict, ordinal: int = 0) -> dict[str, str]:
     """The container's env as the kubelet fills it (downward API fields included)."""
     name = workload["metadata"]["name"]
-    fields = {"status.podIP": POD_IP,
-              "metadata.name": f"{name}-{ordinal}" if workload["kind"] == "StatefulSet" else f"{name}-5f7c9-x2m4q"}
+    fields = {
+        "status.podIP": POD_IP,
+        "metadata.name": f"{name}-{ordinal}" if workload["kind"] == "StatefulSet" else f"{name}-5f7c9-x2m4q",
+    }
     values: dict[str, str] = {}
     for var in container.get("env", []):
         if "value" in var:
@@ -120,9 +132,11 @@ def env_values(workload: dict, container: dict, ordinal: int = 0) -> dict[str, s
 def expand(text: str, values: dict[str, str]) -> str:
     """``$(VAR)`` as the kubelet expands it in command, args and env; a VAR the container does
     not define would reach the program literally, so it fails here."""
+
     def one(match):
         assert match.group(1) in values, f"$({match.group(1)}) is no env var of the container"
         return values[match.group(1)]
+
     return re.sub(r"\$\((\w+)\)", one, text)
 
 
@@ -141,8 +155,14 @@ def service_link_env(workload: dict) -> dict[str, str]:
         env[f"{prefix}_PORT"] = f"tcp://{SERVICE_IP}:{ports[0]['port']}"
         for port in ports:
             base = f"{prefix}_PORT_{port['port']}_TCP"
-            env.update({base: f"tcp://{SERVICE_IP}:{port['port']}", f"{base}_PROTO": "tcp",
-                        f"{base}_PORT": str(port["port"]), f"{base}_ADDR": SERVICE_IP})
+            env.update(
+                {
+                    base: f"tcp://{SERVICE_IP}:{port['port']}",
+                    f"{base}_PROTO": "tcp",
+                    f"{base}_PORT": str(port["port"]),
+                    f"{base}_ADDR": SERVICE_IP,
+                }
+            )
             if "name" in port:
                 env[f"{prefix}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}"] = str(port["port"])
     return env
@@ -158,8 +178,12 @@ def volume_at(workload: dict, container: dict, path: str) -> tuple[dict, str, di
                 best = mount
     assert best is not None, f"{container['name']}: nothing is mounted at {path}"
     declared = {v["name"]: v for v in pod(workload).get("volumes", [])}
-    declared.update({t["metadata"]["name"]: {"name": t["metadata"]["name"], "persistentVolumeClaim": {}}
-                     for t in workload["spec"].get("volumeClaimTemplates", [])})
+    declared.update(
+        {
+            t["metadata"]["name"]: {"name": t["metadata"]["name"], "persistentVolumeClaim": {}}
+            for t in workload["spec"].get("volumeClaimTemplates", [])
+        }
+    )
     volume = declared[best["name"]]
     return volume, str(PurePosixPath(path).relative_to(best["mountPath"])), best
 
@@ -175,8 +199,10 @@ def projected_file(volume: dict, inner: str) -> tuple[str, int | None]:
         data = named("ConfigMap", source["name"]).get("data", {})
     else:
         secret = named("Secret", source["secretName"])
-        data = {**{k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()},
-                **secret.get("stringData", {})}
+        data = {
+            **{k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()},
+            **secret.get("stringData", {}),
+        }
     assert key in data, f"{kind} {source.get('name') or source.get('secretName')} has no key {key!r}"
     return data[key], (mode if kind == "secret" else None)
 
@@ -305,16 +331,19 @@ def etcd_members() -> set[str]:
         assert service["spec"].get("clusterIP") == "None", "member names need a headless Service"
         (container,) = pod(workload)["containers"]
         client = port_number(container, "client")
-        assert any(p["port"] == client and port_number(container, p.get("targetPort", p["port"])) == client
-                   for p in service["spec"]["ports"]), "the Service exposes the client port as itself"
+        assert any(
+            p["port"] == client and port_number(container, p.get("targetPort", p["port"])) == client
+            for p in service["spec"]["ports"]
+        ), "the Service exposes the client port as itself"
         for ordinal in range(workload["spec"]["replicas"]):
             members.add(f"{workload['metadata']['name']}-{ordinal}.{service['metadata']['name']}:{client}")
     return members
 
 
 # -- the tests ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("where,document", DOCUMENTS,
-                         ids=[f"{where}:{d['kind']}/{d['metadata']['name']}" for where, d in DOCUMENTS])
+@pytest.mark.parametrize(
+    "where,document", DOCUMENTS, ids=[f"{where}:{d['kind']}/{d['metadata']['name']}" for where, d in DOCUMENTS]
+)
 def test_every_document_is_a_valid_kubernetes_object(where, document):
     try:
         kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
@@ -332,8 +361,11 @@ def test_the_set_has_etcd_two_masters_nodes_on_every_machine_a_config_map_and_a_
         assert "namespace" not in document["metadata"], "the user picks the namespace (kubectl -n)"
 
 
-@pytest.mark.parametrize("workload,container", kvstore_containers(),
-                         ids=[f"{w['metadata']['name']}/{c['name']}" for w, c in kvstore_containers()])
+@pytest.mark.parametrize(
+    "workload,container",
+    kvstore_containers(),
+    ids=[f"{w['metadata']['name']}/{c['name']}" for w, c in kvstore_containers()],
+)
 def test_every_kvstore_command_parses_and_is_wired_to_etcd(workload, container, tmp_path):
     name, params = run(workload, container, tmp_path)
     declared = {p["containerPort"] for p in container["ports"]}
@@ -366,9 +398,13 @@ def test_the_config_map_names_only_commands_the_pods_run_with_it():
     for config_map in objects("ConfigMap"):
         for key, text in config_map["data"].items():
             tables = set(tomllib.loads(text))
-            users = {c["args"][0] for w, c in kvstore_containers() if "--config" in c["args"]
-                     and volume_at(w, c, c["args"][c["args"].index("--config") + 1])[0].get("configMap", {})
-                     .get("name") == config_map["metadata"]["name"]}
+            users = {
+                c["args"][0]
+                for w, c in kvstore_containers()
+                if "--config" in c["args"]
+                and volume_at(w, c, c["args"][c["args"].index("--config") + 1])[0].get("configMap", {}).get("name")
+                == config_map["metadata"]["name"]
+            }
             assert tables <= users, f"{key}: tables no pod reads: {sorted(tables - users)}"
 
 
@@ -420,9 +456,11 @@ def test_selectors_match_pod_labels_and_target_ports_exist():
         for workload in selected:
             for port in service["spec"]["ports"]:
                 target = port.get("targetPort", port["port"])
-                assert any(target in (p.get("name"), p["containerPort"])
-                           for c in pod(workload)["containers"] for p in c.get("ports", [])), \
-                    f"Service {service['metadata']['name']}: {workload['metadata']['name']} has no port {target!r}"
+                assert any(
+                    target in (p.get("name"), p["containerPort"])
+                    for c in pod(workload)["containers"]
+                    for p in c.get("ports", [])
+                ), f"Service {service['metadata']['name']}: {workload['metadata']['name']} has no port {target!r}"
     for budget in objects("PodDisruptionBudget"):
         assert matching(budget["spec"]["selector"]["matchLabels"]), f"{budget['metadata']['name']} selects nothing"
     for workload in objects("StatefulSet"):
@@ -445,10 +483,14 @@ def test_the_network_policy_lets_in_every_pod_that_names_etcd_and_only_ports_tha
     guarding = [p for p in policies if etcd in matching(p["spec"]["podSelector"]["matchLabels"])]
     assert guarding, "etcd checks no credentials: a policy must keep others away from it"
     for workload, _ in kvstore_containers():
-        admitted = any(rule["from"][0]["podSelector"]["matchLabels"].items() <= pod_labels(workload).items()
-                       and any(port_number(etcd_container, p["port"]) == port_number(etcd_container, "client")
-                               for p in rule["ports"])
-                       for policy in guarding for rule in policy["spec"]["ingress"])
+        admitted = any(
+            rule["from"][0]["podSelector"]["matchLabels"].items() <= pod_labels(workload).items()
+            and any(
+                port_number(etcd_container, p["port"]) == port_number(etcd_container, "client") for p in rule["ports"]
+            )
+            for policy in guarding
+            for rule in policy["spec"]["ingress"]
+        )
         assert admitted, f"{workload['metadata']['name']} could not reach etcd's client port"
 
 

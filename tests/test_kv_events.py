@@ -121,8 +121,10 @@ def test_events_merge_and_split_in_order():
     append_events(out, [(STORED, MEDIUM_CPU, [b"3"]), (REMOVED, MEDIUM_CPU, [b"1"])])
     append_events(out, [CLEAR, CLEAR])
     assert out == [(STORED, MEDIUM_CPU, [b"1", b"2", b"3"]), (REMOVED, MEDIUM_CPU, [b"1"]), CLEAR, CLEAR]
-    assert split_events(out, 2) == [[(STORED, MEDIUM_CPU, [b"1", b"2"])],
-                                    [(STORED, MEDIUM_CPU, [b"3"]), (REMOVED, MEDIUM_CPU, [b"1"]), CLEAR, CLEAR]]
+    assert split_events(out, 2) == [
+        [(STORED, MEDIUM_CPU, [b"1", b"2"])],
+        [(STORED, MEDIUM_CPU, [b"3"]), (REMOVED, MEDIUM_CPU, [b"1"]), CLEAR, CLEAR],
+    ]
 
 
 def test_change_queue_is_bounded_and_reports_overflow():
@@ -155,14 +157,25 @@ def test_replay_buffer_keeps_the_newest_within_count_and_bytes():
 # -- options and the command line ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5557", "tcp://*:0", "tcp://[::1]:5557", "tcp://host-a.lan:1",
-                                      "ipc:///tmp/kv-events"])
+@pytest.mark.parametrize(
+    "endpoint", ["tcp://127.0.0.1:5557", "tcp://*:0", "tcp://[::1]:5557", "tcp://host-a.lan:1", "ipc:///tmp/kv-events"]
+)
 def test_good_endpoints(endpoint):
     assert check_endpoint(endpoint) == endpoint
 
 
-@pytest.mark.parametrize("endpoint", ["127.0.0.1:5557", "tcp://127.0.0.1", "tcp://127.0.0.1:99999", "tcp://:5557",
-                                      "udp://1.2.3.4:5", "tcp://a b:1", "ipc://"])
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "127.0.0.1:5557",
+        "tcp://127.0.0.1",
+        "tcp://127.0.0.1:99999",
+        "tcp://:5557",
+        "udp://1.2.3.4:5",
+        "tcp://a b:1",
+        "ipc://",
+    ],
+)
 def test_bad_endpoints(endpoint):
     with pytest.raises(ConfigError, match="tcp://HOST:PORT"):
         check_endpoint(endpoint)
@@ -189,8 +202,10 @@ def test_cli_rejects_a_malformed_endpoint(command):
 
 
 def test_missing_pyzmq_is_a_clear_error():
-    code = ("import sys; sys.modules['zmq'] = None; from kvstore.cli import main; "
-            "main(['master', '--port', '0', '--metrics-port', '-1', '--kv-events', 'tcp://127.0.0.1:0'])")
+    code = (
+        "import sys; sys.modules['zmq'] = None; from kvstore.cli import main; "
+        "main(['master', '--port', '0', '--metrics-port', '-1', '--kv-events', 'tcp://127.0.0.1:0'])"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 1
     assert "needs pyzmq and msgspec" in result.stderr and "kvstore[events]" in result.stderr
@@ -309,24 +324,37 @@ def pool_state(client, namespaces) -> dict:
 
 def test_dropped_changes_are_followed_by_a_resync():
     index = PrefixIndex()
-    options = KVEventsOptions("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic=PREFIX, hashes="bytes", max_pending=3,
-                              flush_interval_s=0.02)
+    options = KVEventsOptions(
+        "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic=PREFIX, hashes="bytes", max_pending=3, flush_interval_s=0.02
+    )
     publisher = open_publisher(options, index)
     gone, kept = (PREFIX + "gone").encode(), (PREFIX + "ns").encode()
     try:
         wait_for(lambda: replayed(publisher.replay_endpoint, 0))  # the start's resync is out
         index.add_node("a")
         index.apply("a", [("gone", [(IX_STORED, DRAM, digest(100)), (IX_STORED, DRAM, digest(101))])])
-        wait_for(lambda: fold(replayed(publisher.replay_endpoint, 0)) == {(gone, digest(100)): MEDIUM_CPU,
-                                                                           (gone, digest(101)): MEDIUM_CPU})
+        wait_for(
+            lambda: (
+                fold(replayed(publisher.replay_endpoint, 0))
+                == {(gone, digest(100)): MEDIUM_CPU, (gone, digest(101)): MEDIUM_CPU}
+            )
+        )
         # five changes a call, over max_pending: each call dropped whole, the removal of "gone" too
-        index.apply("a", [("gone", [(IX_REMOVED, 0, digest(100)), (IX_REMOVED, 0, digest(101))]),
-                          ("ns", [(IX_STORED, DRAM, digest(j)) for j in range(3)])])
+        index.apply(
+            "a",
+            [
+                ("gone", [(IX_REMOVED, 0, digest(100)), (IX_REMOVED, 0, digest(101))]),
+                ("ns", [(IX_STORED, DRAM, digest(j)) for j in range(3)]),
+            ],
+        )
         for i in range(3, 40, 5):
             index.apply("a", [("ns", [(IX_STORED, DRAM if i % 2 else SSD, digest(j)) for j in range(i, i + 5)])])
         index.apply("a", [("ns", [(IX_REMOVED, 0, digest(5))])])  # one that fits
-        expected = {(kept, digest(j)): MEDIUM_CPU if j < 3 or ((j - 3) // 5 + 1) % 2 else MEDIUM_STORAGE
-                    for j in range(43) if j != 5}
+        expected = {
+            (kept, digest(j)): MEDIUM_CPU if j < 3 or ((j - 3) // 5 + 1) % 2 else MEDIUM_STORAGE
+            for j in range(43)
+            if j != 5
+        }
         # a consumer that ignores topics, and one that subscribed to each namespace alone, both converge
         wait_for(lambda: fold(replayed(publisher.replay_endpoint, 0)) == expected)
         stream = replayed(publisher.replay_endpoint, 0)
@@ -341,11 +369,24 @@ def test_dropped_changes_are_followed_by_a_resync():
 
 def test_encoding_is_vllms_layout_as_plain_msgpack():
     payload = Encoder().encode(1.5, [(STORED, MEDIUM_CPU, [b"a" * 32]), (REMOVED, MEDIUM_STORAGE, [b"b"]), CLEAR])
-    assert plain(payload) == [1.5, [
-        {"type": "BlockStored", "block_hashes": [b"a" * 32], "parent_block_hash": None, "token_ids": [],
-         "block_size": 0, "lora_id": None, "medium": "CPU", "lora_name": None},
-        {"type": "BlockRemoved", "block_hashes": [b"b"], "medium": "STORAGE"},
-        {"type": "AllBlocksCleared"}], 0]
+    assert plain(payload) == [
+        1.5,
+        [
+            {
+                "type": "BlockStored",
+                "block_hashes": [b"a" * 32],
+                "parent_block_hash": None,
+                "token_ids": [],
+                "block_size": 0,
+                "lora_id": None,
+                "medium": "CPU",
+                "lora_name": None,
+            },
+            {"type": "BlockRemoved", "block_hashes": [b"b"], "medium": "STORAGE"},
+            {"type": "AllBlocksCleared"},
+        ],
+        0,
+    ]
     ints = plain(Encoder("int64").encode(0.0, [(REMOVED, MEDIUM_CPU, [b"\x01" * 24 + b"\xff" * 8])]))
     assert ints[1][0]["block_hashes"] == [(1 << 64) - 1]
 
@@ -369,13 +410,24 @@ def test_bytes_match_vllms_encoder(vllm_events, hashes):
     k = vllm_events
     digests = [digest(i) for i in range(3)]
     wire = [maybe_convert_block_hash(d) for d in digests] if hashes == "int64" else digests
-    theirs = k.KVEventBatch(ts=12.25, data_parallel_rank=0, events=[
-        k.BlockRemoved(block_hashes=wire[:1], medium=k.MEDIUM_CPU),
-        k.BlockStored(block_hashes=wire, parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
-                      medium=k.MEDIUM_STORAGE, lora_name=None),
-        k.AllBlocksCleared()])
-    ours = Encoder(hashes).encode(12.25, [(REMOVED, MEDIUM_CPU, digests[:1]), (STORED, MEDIUM_STORAGE, digests),
-                                         CLEAR])
+    theirs = k.KVEventBatch(
+        ts=12.25,
+        data_parallel_rank=0,
+        events=[
+            k.BlockRemoved(block_hashes=wire[:1], medium=k.MEDIUM_CPU),
+            k.BlockStored(
+                block_hashes=wire,
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=0,
+                lora_id=None,
+                medium=k.MEDIUM_STORAGE,
+                lora_name=None,
+            ),
+            k.AllBlocksCleared(),
+        ],
+    )
+    ours = Encoder(hashes).encode(12.25, [(REMOVED, MEDIUM_CPU, digests[:1]), (STORED, MEDIUM_STORAGE, digests), CLEAR])
     assert ours == msgspec.msgpack.encode(theirs)
     assert msgspec.msgpack.Decoder(k.KVEventBatch).decode(ours) == theirs
 
@@ -391,8 +443,19 @@ def stream(tmp_path_factory):
     """
     from kvstore_client import Client
 
-    master = start_master(ttl=1.0, extra=("--kv-events", "tcp://127.0.0.1:0", "--kv-events-replay",
-                                          "tcp://127.0.0.1:0", "--kv-events-topic", PREFIX, "--kv-events-hashes", "bytes"))
+    master = start_master(
+        ttl=1.0,
+        extra=(
+            "--kv-events",
+            "tcp://127.0.0.1:0",
+            "--kv-events-replay",
+            "tcp://127.0.0.1:0",
+            "--kv-events-topic",
+            PREFIX,
+            "--kv-events-hashes",
+            "bytes",
+        ),
+    )
     everything = Subscriber(master.record["kv_events"])
     one = Subscriber(master.record["kv_events"], PREFIX + NS1)
     node = None
@@ -406,18 +469,27 @@ def stream(tmp_path_factory):
             small = [(NS1, digest(i, NS1)) for i in range(10)]
             client.batch_put(small, [key[1] * 128 for key in small])
             wait_for(lambda: len(pool_state(client, [NS0, NS1])) == 24, timeout=30)
-            settled = wait_for(lambda: (s := pool_state(client, [NS0, NS1])) == fold(everything.messages) and s,
-                               timeout=30)
+            settled = wait_for(
+                lambda: (s := pool_state(client, [NS0, NS1])) == fold(everything.messages) and s, timeout=30
+            )
             gone = small[:3]
             for key in gone:
                 assert client.remove(key)
-            wait_for(lambda: not any(((PREFIX + ns).encode(), d) in fold(everything.messages) for ns, d in gone),
-                     timeout=30)
+            wait_for(
+                lambda: not any(((PREFIX + ns).encode(), d) in fold(everything.messages) for ns, d in gone), timeout=30
+            )
             node.kill()  # -9: the master drops it when its lease runs out
             wait_for(lambda: (m := everything.messages) and plain(m[-1][2])[1] == [{"type": CLEARED}], timeout=30)
             time.sleep(0.3)
-        yield {"master": master, "all": everything.messages, "one": one.messages, "big": big, "small": small,
-               "gone": gone, "settled": settled}
+        yield {
+            "master": master,
+            "all": everything.messages,
+            "one": one.messages,
+            "big": big,
+            "small": small,
+            "gone": gone,
+            "settled": settled,
+        }
     finally:
         everything.close()
         one.close()
@@ -471,7 +543,7 @@ def test_replay_returns_the_batches_from_a_sequence_number(stream):
     assert replayed(endpoint, start) == [m for m in live if m[1] >= start]
     everything = replayed(endpoint, 0)
     assert everything[0][:2] == (PREFIX.encode(), 0) and plain(everything[0][2])[1] == [{"type": CLEARED}]
-    assert everything[-len(live):] == live and [s for _, s, _ in everything] == list(range(len(everything)))
+    assert everything[-len(live) :] == live and [s for _, s, _ in everything] == list(range(len(everything)))
     assert replayed(endpoint, 1 << 40) == []
     assert replay(endpoint, b"short") == [[b"", b"", END_SEQ, b""]]  # malformed: just the end marker
 
@@ -487,8 +559,12 @@ def test_vllms_decoder_reads_every_message(stream, vllm_events):
         for event, raw in zip(batch.events, plain(payload)[1], strict=True):
             kinds.add(type(event).__name__)
             if isinstance(event, k.BlockStored):
-                assert (event.parent_block_hash, event.token_ids, event.block_size, event.lora_name) == (None, [], 0,
-                                                                                                         None)
+                assert (event.parent_block_hash, event.token_ids, event.block_size, event.lora_name) == (
+                    None,
+                    [],
+                    0,
+                    None,
+                )
                 assert event.medium in (k.MEDIUM_CPU, k.MEDIUM_STORAGE) and event.block_hashes == raw["block_hashes"]
             elif isinstance(event, k.BlockRemoved):
                 assert event.medium in (k.MEDIUM_CPU, k.MEDIUM_STORAGE) and event.block_hashes == raw["block_hashes"]
@@ -546,8 +622,9 @@ def test_without_the_flag_the_master_opens_no_zmq_socket(stream):
         plain_master.close()
     with_events = stream["master"]  # the check itself sees the sockets when there are some
     record = with_events.record
-    assert listening_tcp_ports(with_events.proc.pid) == {port_of(record[k]) for k in ("master", "metrics", "kv_events",
-                                                                                     "kv_events_replay")}
+    assert listening_tcp_ports(with_events.proc.pid) == {
+        port_of(record[k]) for k in ("master", "metrics", "kv_events", "kv_events_replay")
+    }
     assert loads_zmq(with_events.proc.pid)
 
 
@@ -555,8 +632,27 @@ def test_up_publishes_too(tmp_path):
     from kvstore_client import Client
     from tests.processes import Service
 
-    up = Service(["up", "--port", "0", "--data-port", "0", "--metrics-port", "-1", "--data-dir", str(tmp_path),
-                  "--dram", "16MiB", "--ssd", "0", "--kv-events", "tcp://127.0.0.1:0", "--kv-events-hashes", "int64"])
+    up = Service(
+        [
+            "up",
+            "--port",
+            "0",
+            "--data-port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--data-dir",
+            str(tmp_path),
+            "--dram",
+            "16MiB",
+            "--ssd",
+            "0",
+            "--kv-events",
+            "tcp://127.0.0.1:0",
+            "--kv-events-hashes",
+            "int64",
+        ]
+    )
     sub = Subscriber(up.record["kv_events"], NS0)
     try:
         assert up.record["kv_events_replay"] is None

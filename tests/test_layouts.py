@@ -24,9 +24,11 @@ from tests.processes import start_master, start_node  # noqa: E402
 
 LAYERS, BLOCKS, HEADS, TOKENS, HEAD = 3, 6, 4, 16, 8
 # legacy families: (family, logical shape, memory order of the logical axes)
-LEGACY = {"flash_attn": ("flash_attn", (2, BLOCKS, TOKENS, HEADS, HEAD), (0, 1, 2, 3, 4)),
-          "flashinfer-NHD": ("flashinfer", (BLOCKS, 2, TOKENS, HEADS, HEAD), (0, 1, 2, 3, 4)),
-          "flashinfer-HND": ("flashinfer", (BLOCKS, 2, TOKENS, HEADS, HEAD), (0, 1, 3, 2, 4))}
+LEGACY = {
+    "flash_attn": ("flash_attn", (2, BLOCKS, TOKENS, HEADS, HEAD), (0, 1, 2, 3, 4)),
+    "flashinfer-NHD": ("flashinfer", (BLOCKS, 2, TOKENS, HEADS, HEAD), (0, 1, 2, 3, 4)),
+    "flashinfer-HND": ("flashinfer", (BLOCKS, 2, TOKENS, HEADS, HEAD), (0, 1, 3, 2, 4)),
+}
 ALL = [*KV_CACHE_LAYOUTS, *LEGACY]
 
 
@@ -49,17 +51,32 @@ def caches(name: str, fill=torch.randn, dtype=torch.float32, heads: int = HEADS)
     else:
         family, shape, order = LEGACY[name]
         shape = tuple(heads if n == HEADS else n for n in shape)
-        views = [torch.as_strided(fill(int(torch.tensor(shape).prod()), dtype=dtype), shape,
-                                  permuted_strides(shape, order)) for _ in range(LAYERS)]
+        views = [
+            torch.as_strided(fill(int(torch.tensor(shape).prod()), dtype=dtype), shape, permuted_strides(shape, order))
+            for _ in range(LAYERS)
+        ]
         block_axis = shape.index(BLOCKS)
     layouts = [describe(family, v.shape, v.stride(), v.element_size(), str(dtype), HEAD) for v in views]
     return views, layouts, block_axis
 
 
 def naming(tag: str, block_format: str) -> PoolNaming:
-    return PoolNaming("layouts", KVLayout(model=tag, revision="", kv_dtype="float32", block_size=TOKENS,
-                                          num_kv_heads=HEADS, head_size=HEAD, num_layers=LAYERS, tp_size=1,
-                                          device="cpu", hash_algo="sha256", block_format=block_format))
+    return PoolNaming(
+        "layouts",
+        KVLayout(
+            model=tag,
+            revision="",
+            kv_dtype="float32",
+            block_size=TOKENS,
+            num_kv_heads=HEADS,
+            head_size=HEAD,
+            num_layers=LAYERS,
+            tp_size=1,
+            device="cpu",
+            hash_algo="sha256",
+            block_format=block_format,
+        ),
+    )
 
 
 def move(pool: str, tag: str, source: str, target: str, src_blocks=(1, 4), dst_blocks=(0, 5)):
@@ -105,8 +122,16 @@ def test_layout_blocks_round_trip_through_the_pool(pool, name):
     assert len(stored[0]) == layout.slab_bytes == HEADS * TOKENS * 2 * HEAD * 4
 
 
-COMPATIBLE = [("LBHNC", "BLHNC"), ("LBHNC", "LHBNC"), ("BHLNC", "LBHNC"), ("LHBNC", "BHLNC"),
-              ("LBNHC", "BLNHC"), ("BLNHC", "LBNHC"), ("flash_attn", "flashinfer-NHD"), ("flashinfer-NHD", "flash_attn")]
+COMPATIBLE = [
+    ("LBHNC", "BLHNC"),
+    ("LBHNC", "LHBNC"),
+    ("BHLNC", "LBHNC"),
+    ("LHBNC", "BHLNC"),
+    ("LBNHC", "BLNHC"),
+    ("BLNHC", "LBNHC"),
+    ("flash_attn", "flashinfer-NHD"),
+    ("flashinfer-NHD", "flash_attn"),
+]
 
 
 @pytest.mark.parametrize("source,target", COMPATIBLE)
@@ -117,8 +142,13 @@ def test_layout_a_block_stored_from_one_layout_reads_back_into_a_compatible_one(
             assert torch.equal(block(src, src_axis, layer, s), block(dst, dst_axis, layer, d))
 
 
-INCOMPATIBLE = [("LBHNC", "LBNHC"), ("BLNHC", "LHBNC"), ("LBHNC", "flashinfer-HND"), ("flash_attn", "LBNHC"),
-                ("flashinfer-HND", "flashinfer-NHD")]
+INCOMPATIBLE = [
+    ("LBHNC", "LBNHC"),
+    ("BLNHC", "LHBNC"),
+    ("LBHNC", "flashinfer-HND"),
+    ("flash_attn", "LBNHC"),
+    ("flashinfer-HND", "flashinfer-NHD"),
+]
 
 
 @pytest.mark.parametrize("source,target", INCOMPATIBLE)
@@ -126,8 +156,13 @@ def test_layout_incompatible_layouts_are_refused_and_never_share_keys(pool, sour
     _, src_layouts, _ = caches(source)
     dst, dst_layouts, _ = caches(target, fill=torch.zeros)
     with Client(pool) as client, pytest.raises(LayoutMismatch):
-        LayerwiseTransfers(client, naming("refused", src_layouts[0].format.name()), dst, dst_layouts,
-                           block_format=src_layouts[0].format)
+        LayerwiseTransfers(
+            client,
+            naming("refused", src_layouts[0].format.name()),
+            dst,
+            dst_layouts,
+            block_format=src_layouts[0].format,
+        )
     with pytest.raises(LayoutMismatch):
         src_layouts[0].format.check_readable_as(dst_layouts[0].format)
     a, b = naming("same-model", src_layouts[0].format.name()), naming("same-model", dst_layouts[0].format.name())
@@ -136,8 +171,17 @@ def test_layout_incompatible_layouts_are_refused_and_never_share_keys(pool, sour
 
 def test_layout_which_ones_store_blocks_in_one_run():
     one_run = {name: caches(name)[1][0].contiguous_blocks for name in ALL}
-    assert one_run == {"LBHNC": True, "LBNHC": True, "BLHNC": True, "BLNHC": True, "LHBNC": False, "BHLNC": False,
-                       "flash_attn": False, "flashinfer-NHD": True, "flashinfer-HND": True}
+    assert one_run == {
+        "LBHNC": True,
+        "LBNHC": True,
+        "BLHNC": True,
+        "BLNHC": True,
+        "LHBNC": False,
+        "BHLNC": False,
+        "flash_attn": False,
+        "flashinfer-NHD": True,
+        "flashinfer-HND": True,
+    }
     lhbnc = caches("LHBNC")[1][0]
     assert len(lhbnc.runs(2)) == HEADS and lhbnc.run_bytes == TOKENS * 2 * HEAD * 4
 
@@ -183,12 +227,28 @@ def test_layout_shapes_are_identified_from_the_kv_spec():
     with pytest.raises(LayoutMismatch):  # blocks split into kernel blocks of 8 tokens: not supported
         identify((2 * BLOCKS, HEADS, TOKENS // 2, 2 * HEAD), *spec)
     with pytest.raises(LayoutMismatch):
-        describe("vllm", (BLOCKS, HEADS, TOKENS, 2 * HEAD), (HEADS * TOKENS * 4 * HEAD, TOKENS * 4 * HEAD, 4 * HEAD, 2),
-                 4, "f", HEAD)  # every other element: no axis is dense
+        describe(
+            "vllm",
+            (BLOCKS, HEADS, TOKENS, 2 * HEAD),
+            (HEADS * TOKENS * 4 * HEAD, TOKENS * 4 * HEAD, 4 * HEAD, 2),
+            4,
+            "f",
+            HEAD,
+        )  # every other element: no axis is dense
 
 
 def test_layout_the_cpu_backends_keys_are_what_they_were():
-    layout = KVLayout(model="m", revision="r", kv_dtype="torch.float32/auto", block_size=16, num_kv_heads=2,
-                      head_size=32, num_layers=2, tp_size=1, device="cpu", hash_algo="sha256")
+    layout = KVLayout(
+        model="m",
+        revision="r",
+        kv_dtype="torch.float32/auto",
+        block_size=16,
+        num_kv_heads=2,
+        head_size=32,
+        num_layers=2,
+        tp_size=1,
+        device="cpu",
+        hash_algo="sha256",
+    )
     fields = ("m", "r", "torch.float32/auto", 16, 2, 32, 2, 1, 0, "cpu", "sha256")
     assert layout.fingerprint(0) == xxhash.xxh3_64_hexdigest("\x1f".join(map(str, fields)).encode())

@@ -43,8 +43,7 @@ def test_events_store_move_and_remove(index):
     assert index.node_counts()["a"] == {"dram": 1, "ssd": 1}
     index.apply("a", [(NS, [(REMOVED, 0, d(2)), (REMOVED, 0, d(9))])])  # removing an absent block is a no-op
     assert as_dicts(index.locate(NS, [d(1), d(2)])) == [{"a": DRAM}, {"b": SSD}]
-    assert index.node_counts() == {"a": {"dram": 1, "ssd": 0}, "b": {"dram": 0, "ssd": 1},
-                                   "c": {"dram": 0, "ssd": 0}}
+    assert index.node_counts() == {"a": {"dram": 1, "ssd": 0}, "b": {"dram": 0, "ssd": 1}, "c": {"dram": 0, "ssd": 0}}
     assert index.size() == 2
 
 
@@ -68,14 +67,17 @@ def test_unknown_node_is_refused_and_nothing_changes(index):
     assert index.size() == 0
 
 
-@pytest.mark.parametrize("batch, error", [
-    (("", stored([d(1)])), InvalidKey),
-    ((NS, stored([b""])), InvalidKey),
-    ((NS, stored([b"x" * 65])), InvalidKey),
-    ((NS, [(STORED, 0, d(1))]), InvalidRequest),
-    ((NS, [(STORED, 7, d(1))]), InvalidRequest),
-    ((NS, [(0, DRAM, d(1))]), InvalidRequest),
-])
+@pytest.mark.parametrize(
+    "batch, error",
+    [
+        (("", stored([d(1)])), InvalidKey),
+        ((NS, stored([b""])), InvalidKey),
+        ((NS, stored([b"x" * 65])), InvalidKey),
+        ((NS, [(STORED, 0, d(1))]), InvalidRequest),
+        ((NS, [(STORED, 7, d(1))]), InvalidRequest),
+        ((NS, [(0, DRAM, d(1))]), InvalidRequest),
+    ],
+)
 def test_bad_events_reject_the_whole_report(index, batch, error):
     with pytest.raises(error):
         index.apply("a", [(NS, stored([d(5)])), batch])
@@ -152,6 +154,7 @@ def test_match_prefix_against_a_brute_force_model():
 
         def run(holds):
             return next((i for i, x in enumerate(query) if not holds(x)), len(query))
+
         assert longest == run(lambda x: any(x in held[n] for n in nodes))
         assert counts == {n: run(held[n].__contains__) for n in nodes if run(held[n].__contains__) > 0}
 
@@ -268,8 +271,11 @@ def test_packed_blocks_index_exactly_as_their_events():
 
 def test_packed_blocks_are_validated_before_anything_changes(index):
     index.apply("a", [(NS, stored([d(1)]))])
-    for bad, error in (((NS, 0, [d(2)]), InvalidRequest), (("", DRAM, [d(2)]), InvalidKey),
-                       ((NS, DRAM, [d(2), b""]), InvalidKey)):
+    for bad, error in (
+        ((NS, 0, [d(2)]), InvalidRequest),
+        (("", DRAM, [d(2)]), InvalidKey),
+        ((NS, DRAM, [d(2), b""]), InvalidKey),
+    ):
         with pytest.raises(error):
             index.replace_inventory("a", [], [bad])
     assert as_dicts(index.locate(NS, [d(1), d(2)])) == [{"a": DRAM}, {}]

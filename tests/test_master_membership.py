@@ -74,7 +74,10 @@ def test_ttl_expiry_drops_silent_nodes_and_their_blocks(members, clock):
     assert members.expire() == ["a"]
     assert not members.known("a") and members.known("b")
     assert [dict(h) for h in members.index.locate(NS, [i.to_bytes(16, "big") for i in (1, 2, 3)])] == [
-        {}, {"b": DRAM}, {"b": DRAM}]
+        {},
+        {"b": DRAM},
+        {"b": DRAM},
+    ]
     assert not members.heartbeat("a")  # told to re-register
     assert members.expire() == []
 
@@ -108,6 +111,7 @@ def test_placed_bytes_count_against_free_dram_until_the_next_heartbeat(members):
 
 
 # -- placement ---------------------------------------------------------------------------------
+
 
 def cand(node_id, machine, free, blocks_=0):
     return Candidate(node_id, machine, free, blocks_)

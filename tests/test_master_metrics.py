@@ -18,12 +18,14 @@ from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 
 
 def test_render_groups_by_name_and_escapes():
-    text = render([
-        ("x_total", "Things\ncounted.", "counter", {"k": 'a"b\\c\nd'}, 3),
-        ("y", "A gauge.", "gauge", {}, 1.5),
-        ("x_total", "ignored", "counter", {"k": "e"}, 4),
-        ("z", "Odd type.", "weird", {}, float("inf")),
-    ])
+    text = render(
+        [
+            ("x_total", "Things\ncounted.", "counter", {"k": 'a"b\\c\nd'}, 3),
+            ("y", "A gauge.", "gauge", {}, 1.5),
+            ("x_total", "ignored", "counter", {"k": "e"}, 4),
+            ("z", "Odd type.", "weird", {}, float("inf")),
+        ]
+    )
     assert text == (
         "# HELP x_total Things\\ncounted.\n# TYPE x_total counter\n"
         'x_total{k="a\\"b\\\\c\\nd"} 3\nx_total{k="e"} 4\n'
@@ -52,10 +54,13 @@ def test_metrics_server_serves_and_reports_collector_failures():
 
 
 def test_run_master_serves_until_sigterm():
-    code = ("import logging; from kvstore.master.server import run_master; "
-            "run_master('127.0.0.1', 0, on_ready=lambda s: print(s.address, flush=True))")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    code = (
+        "import logging; from kvstore.master.server import run_master; "
+        "run_master('127.0.0.1', 0, on_ready=lambda s: print(s.address, flush=True))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     try:
         address = proc.stdout.readline().strip()
         with grpc.insecure_channel(address) as channel:

@@ -61,7 +61,8 @@ def test_a_malformed_body_is_invalid_argument_naming_the_message(master):
 def test_well_formed_requests_are_still_served(master):
     with grpc.insecure_channel(master.record["master"]) as channel:
         raw = channel.unary_unary("/kvstore.v1.Master/ClusterStatus")(
-            pb.ClusterStatusRequest().SerializeToString(), timeout=10)
+            pb.ClusterStatusRequest().SerializeToString(), timeout=10
+        )
     assert pb.ClusterStatusReply.FromString(raw).nodes == []
 
 

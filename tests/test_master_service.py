@@ -17,8 +17,11 @@ from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 
 NS = "llama3/acme"
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 200),
-                   ("grpc.min_reconnect_backoff_ms", 50)]
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 50),
+]
 
 
 def d(i: int) -> bytes:
@@ -26,14 +29,22 @@ def d(i: int) -> bytes:
 
 
 def node_info(node_id: str, machine: str) -> pb.NodeInfo:
-    return pb.NodeInfo(node_id=node_id, host=f"host-{machine}", machine_id=machine,
-                       data_address=f"{machine}:7000", metrics_address=f"{machine}:9100")
+    return pb.NodeInfo(
+        node_id=node_id,
+        host=f"host-{machine}",
+        machine_id=machine,
+        data_address=f"{machine}:7000",
+        metrics_address=f"{machine}:9100",
+    )
 
 
 def report(stub, node_id, digests, tier=pb.DRAM, full=False, kind=pb.BlockEvent.STORED, namespace=NS):
     events = [pb.BlockEvent(kind=kind, tier=tier, digest=x) for x in digests]
-    return stub.ReportBlocks(pb.BlockReport(node_id=node_id, full_inventory=full,
-                                            batches=[pb.EventBatch(namespace=namespace, events=events)])).known
+    return stub.ReportBlocks(
+        pb.BlockReport(
+            node_id=node_id, full_inventory=full, batches=[pb.EventBatch(namespace=namespace, events=events)]
+        )
+    ).known
 
 
 def dram(capacity, used):
@@ -100,6 +111,7 @@ def test_moves_and_removals_show_up(stub, cluster):
 def test_place_local_first_then_most_free(stub, cluster):
     def place(**kw):
         return [n.node_id for n in stub.Place(pb.PlaceRequest(namespace=NS, bytes=1 << 20, **kw)).nodes]
+
     assert place(machine_id="m1") == ["a", "b"]  # replication factor 2: local, then most free
     assert place(machine_id="nowhere") == ["b", "c"]
     assert place(machine_id="m3", replicas=1) == ["c"]
@@ -110,8 +122,10 @@ def test_successive_placements_spread_over_equally_free_nodes(stub):
     for node_id in "xyz":
         stub.Register(pb.RegisterRequest(info=node_info(node_id, "m9")))
         stub.Heartbeat(pb.HeartbeatRequest(node_id=node_id, tiers=dram(1 << 30, 0)))
-    chosen = [stub.Place(pb.PlaceRequest(namespace=NS, bytes=64 << 20, replicas=1, machine_id="m9")).nodes[0].node_id
-              for _ in range(6)]
+    chosen = [
+        stub.Place(pb.PlaceRequest(namespace=NS, bytes=64 << 20, replicas=1, machine_id="m9")).nodes[0].node_id
+        for _ in range(6)
+    ]
     assert sorted(chosen) == ["x", "x", "y", "y", "z", "z"]  # each placement is charged to its node
 
 
@@ -136,38 +150,91 @@ def test_list_keys_pages(stub, cluster):
     assert [(k.namespace, k.digest) for k in everything.keys] == [(NS, x) for x in cluster[:6]] + [("zz", d(50))]
 
 
-@pytest.mark.parametrize("call, request_", [
-    ("Locate", pb.KeyBatch(namespace="", digests=[d(1)])),
-    ("Locate", pb.KeyBatch(namespace=NS, digests=[b""])),
-    ("Locate", pb.KeyBatch(namespace=NS, digests=[b"x" * 65])),
-    ("MatchPrefix", pb.KeyBatch(namespace="a\0b", digests=[d(1)])),
-    ("MatchPrefix", pb.KeyBatch(namespace="n" * 129, digests=[d(1)])),
-    ("ReportBlocks", pb.BlockReport(node_id="a", batches=[pb.EventBatch(namespace=NS, events=[
-        pb.BlockEvent(kind=pb.BlockEvent.STORED, tier=pb.TIER_UNSPECIFIED, digest=d(1))])])),
-    ("ReportBlocks", pb.BlockReport(node_id="a", batches=[pb.EventBatch(namespace=NS, events=[
-        pb.BlockEvent(kind=pb.BlockEvent.KIND_UNSPECIFIED, tier=pb.DRAM, digest=d(1))])])),
-    ("ReportBlocks", pb.BlockReport(node_id="a", batches=[pb.EventBatch(namespace="", events=[])])),
-    *[("ReportBlocks", pb.BlockReport(node_id="a", packed=[pb.PackedBlocks(namespace=NS, **bad)])) for bad in (
-        {"tier": pb.DRAM, "digest_len": 16, "digests": d(1) + b"x"},  # does not split evenly
-        {"tier": pb.DRAM, "digest_len": 0, "digests": b""}, {"tier": pb.DRAM, "digest_len": 65, "digests": b"x" * 65},
-        {"tier": pb.TIER_UNSPECIFIED, "digest_len": 16, "digests": d(1)})],
-    ("ReportBlocks", pb.BlockReport(node_id="a", packed=[pb.PackedBlocks(namespace="", tier=pb.DRAM, digest_len=16,
-                                                                          digests=d(1))])),
-    ("Register", pb.RegisterRequest(info=pb.NodeInfo(node_id=""))),
-    *[("Register", pb.RegisterRequest(info=pb.NodeInfo(node_id="new", **bad))) for bad in (
-        {"data_address": "no-port"}, {"data_address": "h:0"}, {"data_address": "h:65536"},
-        {"data_address": "h:70x"}, {"data_address": "two words:7000"}, {"data_address": "h:7000\n"},
-        {"data_address": ":7000"}, {"metrics_address": "x"}, {"host": "a\0b"}, {"machine_id": "m" * 300},
-        {"unix_socket": "relative.sock"}, {"unix_socket": "/" + "s" * 200}, {"shm_arena": "../etc/passwd"},
-        {"arena_pages": "giant"})],
-    ("Heartbeat", pb.HeartbeatRequest(node_id="")),
-    *[("Heartbeat", pb.HeartbeatRequest(node_id="a", tiers=tiers)) for tiers in (
-        [pb.TierStats(tier="dram", capacity=1 << 63)], [pb.TierStats(tier="ssd", used=1 << 61)],
-        [pb.TierStats(tier="dram", hits=1 << 63)], [pb.TierStats(tier="")], [pb.TierStats(tier="dram\n")],
-        [pb.TierStats(tier="dram"), pb.TierStats(tier="DRAM")], [pb.TierStats(tier=f"t{i}") for i in range(9)])],
-    ("Place", pb.PlaceRequest(namespace="")),
-    ("ListKeys", pb.ListKeysRequest(namespace="", start_after=d(1))),
-])
+@pytest.mark.parametrize(
+    "call, request_",
+    [
+        ("Locate", pb.KeyBatch(namespace="", digests=[d(1)])),
+        ("Locate", pb.KeyBatch(namespace=NS, digests=[b""])),
+        ("Locate", pb.KeyBatch(namespace=NS, digests=[b"x" * 65])),
+        ("MatchPrefix", pb.KeyBatch(namespace="a\0b", digests=[d(1)])),
+        ("MatchPrefix", pb.KeyBatch(namespace="n" * 129, digests=[d(1)])),
+        (
+            "ReportBlocks",
+            pb.BlockReport(
+                node_id="a",
+                batches=[
+                    pb.EventBatch(
+                        namespace=NS,
+                        events=[pb.BlockEvent(kind=pb.BlockEvent.STORED, tier=pb.TIER_UNSPECIFIED, digest=d(1))],
+                    )
+                ],
+            ),
+        ),
+        (
+            "ReportBlocks",
+            pb.BlockReport(
+                node_id="a",
+                batches=[
+                    pb.EventBatch(
+                        namespace=NS,
+                        events=[pb.BlockEvent(kind=pb.BlockEvent.KIND_UNSPECIFIED, tier=pb.DRAM, digest=d(1))],
+                    )
+                ],
+            ),
+        ),
+        ("ReportBlocks", pb.BlockReport(node_id="a", batches=[pb.EventBatch(namespace="", events=[])])),
+        *[
+            ("ReportBlocks", pb.BlockReport(node_id="a", packed=[pb.PackedBlocks(namespace=NS, **bad)]))
+            for bad in (
+                {"tier": pb.DRAM, "digest_len": 16, "digests": d(1) + b"x"},  # does not split evenly
+                {"tier": pb.DRAM, "digest_len": 0, "digests": b""},
+                {"tier": pb.DRAM, "digest_len": 65, "digests": b"x" * 65},
+                {"tier": pb.TIER_UNSPECIFIED, "digest_len": 16, "digests": d(1)},
+            )
+        ],
+        (
+            "ReportBlocks",
+            pb.BlockReport(
+                node_id="a", packed=[pb.PackedBlocks(namespace="", tier=pb.DRAM, digest_len=16, digests=d(1))]
+            ),
+        ),
+        ("Register", pb.RegisterRequest(info=pb.NodeInfo(node_id=""))),
+        *[
+            ("Register", pb.RegisterRequest(info=pb.NodeInfo(node_id="new", **bad)))
+            for bad in (
+                {"data_address": "no-port"},
+                {"data_address": "h:0"},
+                {"data_address": "h:65536"},
+                {"data_address": "h:70x"},
+                {"data_address": "two words:7000"},
+                {"data_address": "h:7000\n"},
+                {"data_address": ":7000"},
+                {"metrics_address": "x"},
+                {"host": "a\0b"},
+                {"machine_id": "m" * 300},
+                {"unix_socket": "relative.sock"},
+                {"unix_socket": "/" + "s" * 200},
+                {"shm_arena": "../etc/passwd"},
+                {"arena_pages": "giant"},
+            )
+        ],
+        ("Heartbeat", pb.HeartbeatRequest(node_id="")),
+        *[
+            ("Heartbeat", pb.HeartbeatRequest(node_id="a", tiers=tiers))
+            for tiers in (
+                [pb.TierStats(tier="dram", capacity=1 << 63)],
+                [pb.TierStats(tier="ssd", used=1 << 61)],
+                [pb.TierStats(tier="dram", hits=1 << 63)],
+                [pb.TierStats(tier="")],
+                [pb.TierStats(tier="dram\n")],
+                [pb.TierStats(tier="dram"), pb.TierStats(tier="DRAM")],
+                [pb.TierStats(tier=f"t{i}") for i in range(9)],
+            )
+        ],
+        ("Place", pb.PlaceRequest(namespace="")),
+        ("ListKeys", pb.ListKeysRequest(namespace="", start_after=d(1))),
+    ],
+)
 def test_invalid_input_is_invalid_argument(stub, cluster, server, call, request_):
     with pytest.raises(grpc.RpcError) as err:
         getattr(stub, call)(request_)
@@ -178,8 +245,10 @@ def test_invalid_input_is_invalid_argument(stub, cluster, server, call, request_
 
 def test_node_expires_after_ttl_in_real_time():
     # a TTL ten heartbeats long: only the silent node may expire, even on a busy machine
-    with MasterServer(port=0, ttl_s=1.0, heartbeat_interval_s=0.1) as srv, \
-            grpc.insecure_channel(srv.address) as channel:
+    with (
+        MasterServer(port=0, ttl_s=1.0, heartbeat_interval_s=0.1) as srv,
+        grpc.insecure_channel(srv.address) as channel,
+    ):
         stub = pb_grpc.MasterStub(channel)
         for node_id in ("alive", "silent"):
             stub.Register(pb.RegisterRequest(info=node_info(node_id, node_id)))
@@ -245,8 +314,9 @@ def test_metrics_endpoint(server, stub, cluster):
 
 
 def test_bench_runs_small(capsys):
-    master_index.main(["--chains", "8", "--chain-len", "40", "--batch", "40", "--calls", "4", "--rounds", "1",
-                       "--json"])
+    master_index.main(
+        ["--chains", "8", "--chain-len", "40", "--batch", "40", "--calls", "4", "--rounds", "1", "--json"]
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["indexed_keys"] == 320 and result["entries"] == 480
     assert set(result["keys_per_s"]) >= {"locate_chain", "locate_mixed", "match_prefix"}
@@ -254,10 +324,15 @@ def test_bench_runs_small(capsys):
 
 def test_a_packed_inventory_replaces_the_nodes_blocks(stub, cluster, server):
     assert stub.Register(pb.RegisterRequest(info=node_info("a", "m1"))).packed_reports
-    packed = [pb.PackedBlocks(namespace=NS, tier=pb.SSD, digest_len=16, digests=d(7) + d(8) + d(7)),
-              pb.PackedBlocks(namespace="zz", tier=pb.DRAM, digest_len=2, digests=b"ab")]
+    packed = [
+        pb.PackedBlocks(namespace=NS, tier=pb.SSD, digest_len=16, digests=d(7) + d(8) + d(7)),
+        pb.PackedBlocks(namespace="zz", tier=pb.DRAM, digest_len=2, digests=b"ab"),
+    ]
     assert stub.ReportBlocks(pb.BlockReport(node_id="a", full_inventory=True, packed=packed)).known
     located = stub.Locate(pb.KeyBatch(namespace=NS, digests=[d(1), d(7), d(8)]))
     assert [[(r.node_id, r.tier) for r in loc.replicas] for loc in located.locations] == [
-        [("b", pb.SSD)], [("a", pb.SSD)], [("a", pb.SSD)]]  # a's old blocks gone, b's stay
+        [("b", pb.SSD)],
+        [("a", pb.SSD)],
+        [("a", pb.SSD)],
+    ]  # a's old blocks gone, b's stay
     assert server.index.node_counts()["a"] == {"dram": 1, "ssd": 2}  # d(7) listed twice, counted once

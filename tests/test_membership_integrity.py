@@ -38,8 +38,7 @@ def keys_of(n: int, ns: str = "integrity"):
 
 
 def node_status(stub, node_id: str) -> pb.NodeStatus:
-    return next(n for n in stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10).nodes
-                if n.info.node_id == node_id)
+    return next(n for n in stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10).nodes if n.info.node_id == node_id)
 
 
 # -- a live node's id cannot be taken over ----------------------------------------------------------
@@ -119,10 +118,28 @@ def test_the_demo_leaves_the_service_data_dir_alone(tmp_path):
     (service_dir / "ssd").mkdir(parents=True)
     (service_dir / "node_id").write_text("node-service\n")
     before = sorted(str(p.relative_to(service_dir)) for p in service_dir.rglob("*"))
-    result = subprocess.run([sys.executable, "-m", "kvstore.cli", "demo", "--dram", "4MiB", "--ssd", "8MiB",
-                             "--blocks", "8", "--block-size", "256KiB", "--json"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "demo",
+            "--dram",
+            "4MiB",
+            "--ssd",
+            "8MiB",
+            "--blocks",
+            "8",
+            "--block-size",
+            "256KiB",
+            "--json",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert result.returncode == 0, result.stderr
     assert sorted(str(p.relative_to(service_dir)) for p in service_dir.rglob("*")) == before
     assert sorted(os.listdir(tmp_path)) == ["kvstore-data"]  # and left nothing else behind here
@@ -224,15 +241,22 @@ def mode(path) -> int:
 
 def test_node_files_are_0600_in_0700_directories(tmp_path):
     data_dir = tmp_path / "data"
-    config = StoreConfig(dram_capacity=4 * MiB, max_block_bytes=MiB, ssd_path=str(data_dir / "ssd"),
-                         ssd_capacity=8 * MiB)
+    config = StoreConfig(
+        dram_capacity=4 * MiB, max_block_bytes=MiB, ssd_path=str(data_dir / "ssd"), ssd_capacity=8 * MiB
+    )
     node = StorageNode(config, NodeOptions(data_dir=str(data_dir))).start()
     try:
         node.store.put(keys_of(1)[0], b"x" * 1000)
         arena = node.store.dram.arena
         assert mode(data_dir) == 0o700 and mode(data_dir / "ssd") == 0o700
-        files = [data_dir / "node_id", data_dir / "lock", data_dir / "ssd" / "data.mdb",
-                 data_dir / "ssd" / "lock.mdb", arena.path, node.server.unix_path]
+        files = [
+            data_dir / "node_id",
+            data_dir / "lock",
+            data_dir / "ssd" / "data.mdb",
+            data_dir / "ssd" / "lock.mdb",
+            arena.path,
+            node.server.unix_path,
+        ]
         if node.store.dram.directory is not None:
             files.append(node.store.dram.directory.path)
         assert {str(f): mode(f) for f in files} == {str(f): 0o600 for f in files}

@@ -123,8 +123,14 @@ def pool(tmp_path_factory):
         address = master.record["master"]
 
         def node(host):
-            return start_node(address, tmp / host.name, dram="64MiB", ssd="0", extra=("--host", host.address,
-                              "--auth", access), prefix=tuple(host.command([])))
+            return start_node(
+                address,
+                tmp / host.name,
+                dram="64MiB",
+                ssd="0",
+                extra=("--host", host.address, "--auth", access),
+                prefix=tuple(host.command([])),
+            )
 
         with ThreadPoolExecutor(2) as pool_:
             node_a, node_b = pool_.map(node, (a, b))
@@ -135,10 +141,17 @@ def pool(tmp_path_factory):
         for agent in agents.values():
             agent.result(timeout=120)
         ids = {"a": node_a.record["node_id"], "b": node_b.record["node_id"]}
-        wait_for(lambda: sorted(k for k, v in agents["c"].eval("nodes()").items() if v[0]) == sorted(ids.values()),
-                 timeout=30)
-        yield {"net": net, "hosts": {"m": m, "a": a, "b": b, "c": c}, "agents": agents, "ids": ids,
-               "services": {"master": master, "a": node_a, "b": node_b}}
+        wait_for(
+            lambda: sorted(k for k, v in agents["c"].eval("nodes()").items() if v[0]) == sorted(ids.values()),
+            timeout=30,
+        )
+        yield {
+            "net": net,
+            "hosts": {"m": m, "a": a, "b": b, "c": c},
+            "agents": agents,
+            "ids": ids,
+            "services": {"master": master, "a": node_a, "b": node_b},
+        }
     finally:
         for service in reversed(services):
             service.close()
@@ -219,8 +232,9 @@ def test_other_hosts_prove_their_tokens(pool):
     c, ids = pool["agents"]["c"], pool["ids"]
     data_b = run(c, "nodes()")[ids["b"]][2]
     assert run(c, f"refused(lambda: Client(MASTER, token={WRONG!r}).cluster_status())") == "Unauthenticated"
-    assert run(c, f"refused(lambda: TcpConnection({data_b!r}, credentials=Credentials({WRONG!r})))") \
-        == "Unauthenticated"
+    assert (
+        run(c, f"refused(lambda: TcpConnection({data_b!r}, credentials=Credentials({WRONG!r})))") == "Unauthenticated"
+    )
     assert run(c, f"refused(lambda: TcpConnection({data_b!r}, credentials=Credentials(TOKEN)).close())") is None
 
 
@@ -230,8 +244,10 @@ def test_master_cut_off_then_back_nodes_rejoin_and_bytes_stay_right(pool):
     n = 8
     run(a, f"put('wa', 'acme-cut-a', {n}, {BLOCK})")
     run(c, f"put('wc', 'acme-cut-c', {n}, {BLOCK})")
-    before = {ns: wait_for(lambda ns=ns: (h := run(c, f"holders({ns!r}, {n})")) and all(h) and h, timeout=10)
-              for ns in ("acme-cut-a", "acme-cut-c")}
+    before = {
+        ns: wait_for(lambda ns=ns: (h := run(c, f"holders({ns!r}, {n})")) and all(h) and h, timeout=10)
+        for ns in ("acme-cut-a", "acme-cut-c")
+    }
     a.exec(f"client('cut', token={ADMIN!r})")  # unconfined: reads A's block directory (see above)
     assert run(a, f"wrong('cut', 'acme-cut-a', {n}, {BLOCK})") == []  # opens A's shared-memory path
 
@@ -249,7 +265,8 @@ def test_master_cut_off_then_back_nodes_rejoin_and_bytes_stay_right(pool):
     def rejoined():
         nodes = run(c, "nodes()")
         return all(nodes.get(i, [False])[0] for i in ids.values()) and all(
-            run(c, f"holders({ns!r}, {n})") == held for ns, held in before.items())
+            run(c, f"holders({ns!r}, {n})") == held for ns, held in before.items()
+        )
 
     wait_for(rejoined, timeout=45, interval=0.5)
     for agent in (a, c):

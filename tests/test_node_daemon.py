@@ -10,8 +10,10 @@ from kvstore_client.transport import TcpConnection
 
 
 def small_node(master: str, tmp_path, wait: float = 5.0) -> StorageNode:
-    return StorageNode(StoreConfig(dram_capacity=4 << 20, max_block_bytes=1 << 20),
-                       NodeOptions(master=master, data_dir=str(tmp_path), register_wait_s=wait)).start()
+    return StorageNode(
+        StoreConfig(dram_capacity=4 << 20, max_block_bytes=1 << 20),
+        NodeOptions(master=master, data_dir=str(tmp_path), register_wait_s=wait),
+    ).start()
 
 
 def test_start_returns_once_the_master_knows_the_node(tmp_path):
@@ -66,7 +68,11 @@ def test_sockets_of_killed_nodes_are_reaped_and_live_ones_kept(tmp_path):
         os.utime(tmp_path / name, (1, 1))  # long ago
     try:
         assert reap_stale_sockets(str(tmp_path)) == ["kvstore-dead.sock"]
-        assert sorted(os.listdir(tmp_path)) == ["kvstore-file.sock", "kvstore-live.sock", "kvstore-young.sock",
-                                                "other.sock"]
+        assert sorted(os.listdir(tmp_path)) == [
+            "kvstore-file.sock",
+            "kvstore-live.sock",
+            "kvstore-young.sock",
+            "other.sock",
+        ]
     finally:
         live.close()

@@ -26,8 +26,9 @@ def master():
 
 
 def start_node(master: MasterServer) -> StorageNode:
-    return StorageNode(StoreConfig(dram_capacity=16 * MiB, max_block_bytes=MiB),
-                       NodeOptions(master=master.address)).start()
+    return StorageNode(
+        StoreConfig(dram_capacity=16 * MiB, max_block_bytes=MiB), NodeOptions(master=master.address)
+    ).start()
 
 
 def test_a_node_stopped_cleanly_leaves_with_its_blocks_at_once(master):
@@ -52,8 +53,9 @@ def test_only_the_registrant_may_deregister_a_node(master):
         with grpc.insecure_channel(master.address) as channel:
             stub = pb_grpc.MasterStub(channel)
             with pytest.raises(grpc.RpcError) as refused:
-                stub.Deregister(pb.DeregisterRequest(node_id=node.node_id), metadata=node_metadata("forged"),
-                                timeout=10)
+                stub.Deregister(
+                    pb.DeregisterRequest(node_id=node.node_id), metadata=node_metadata("forged"), timeout=10
+                )
             assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
             assert master.membership.known(node.node_id)
             assert not stub.Deregister(pb.DeregisterRequest(node_id="node-nobody"), timeout=10).known

@@ -27,8 +27,12 @@ def value(i: int) -> bytes:
 @pytest.fixture
 def pool():
     master = MasterServer(port=0, ttl_s=60.0, heartbeat_interval_s=0.5).start()
-    nodes = [StorageNode(StoreConfig(dram_capacity=16 * MiB, max_block_bytes=MiB),
-                         NodeOptions(master=master.address)).start() for _ in range(3)]
+    nodes = [
+        StorageNode(
+            StoreConfig(dram_capacity=16 * MiB, max_block_bytes=MiB), NodeOptions(master=master.address)
+        ).start()
+        for _ in range(3)
+    ]
     yield master, nodes
     for node in nodes:
         node.stop()
@@ -77,8 +81,9 @@ def wait_for_or_false(predicate, timeout: float) -> bool:
 
 
 def kvstore(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_drain_command_waits_for_the_index_and_says_unknown_nodes_plainly(pool):
@@ -88,8 +93,13 @@ def test_the_drain_command_waits_for_the_index_and_says_unknown_nodes_plainly(po
     wait_for(lambda: master.index.size() == 30)
     done = kvstore("drain", leaving.node_id, "--master", master.address, "--wait", "60", "--json")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"node_id": leaving.node_id, "draining": True, "indexed_blocks": 30,
-                                       "copying": 30, "drained": True}
+    assert json.loads(done.stdout) == {
+        "node_id": leaving.node_id,
+        "draining": True,
+        "indexed_blocks": 30,
+        "copying": 30,
+        "drained": True,
+    }
     assert master.index.node_blocks(leaving.node_id) == 0 and master.index.size() == 30
     unknown = kvstore("drain", "node-nobody", "--master", master.address)
     assert unknown.returncode == 1 and "knows no node 'node-nobody'" in unknown.stderr

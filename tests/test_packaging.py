@@ -17,7 +17,8 @@ def wheel_names(tmp_path_factory) -> set[str]:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w", str(out), str(ROOT)],
-        check=True, capture_output=True,
+        check=True,
+        capture_output=True,
     )
     (wheel,) = out.glob("kvstore-*.whl")
     with zipfile.ZipFile(wheel) as zf:

@@ -23,11 +23,13 @@ from processes import wait_for
 MiB = 1 << 20
 NODE, ACME, GLOBEX = "node-token-0123456789abcdef", "acme-token-0123456789abcd", "globex-token-0123456789ab"
 QUOTA = 8 * MiB
-ACCESS = {"tokens": {
-    "storage": {"secret": NODE, "role": "node"},
-    "acme": {"secret": ACME, "role": "tenant", "namespaces": ["acme", "acme-*"], "quota": "8MiB"},
-    "globex": {"secret": GLOBEX, "role": "tenant", "namespaces": ["globex"]},  # no quota
-}}
+ACCESS = {
+    "tokens": {
+        "storage": {"secret": NODE, "role": "node"},
+        "acme": {"secret": ACME, "role": "tenant", "namespaces": ["acme", "acme-*"], "quota": "8MiB"},
+        "globex": {"secret": GLOBEX, "role": "tenant", "namespaces": ["globex"]},  # no quota
+    }
+}
 
 
 def access() -> AccessList:
@@ -102,9 +104,13 @@ def pool(tmp_path_factory):
     os.chmod(path, 0o600)
     loaded = AccessList.load(str(path))
     master = MasterServer(port=0, access=loaded, heartbeat_interval_s=0.2, ttl_s=3.0).start()
-    nodes = [StorageNode(StoreConfig(dram_capacity=64 * MiB, max_block_bytes=MiB),
-                         NodeOptions(master=master.address, access=loaded, credentials=Credentials(NODE))).start()
-             for _ in range(2)]
+    nodes = [
+        StorageNode(
+            StoreConfig(dram_capacity=64 * MiB, max_block_bytes=MiB),
+            NodeOptions(master=master.address, access=loaded, credentials=Credentials(NODE)),
+        ).start()
+        for _ in range(2)
+    ]
     yield master, nodes
     for node in nodes:
         node.stop()
@@ -113,8 +119,6 @@ def pool(tmp_path_factory):
 
 def held_across(nodes) -> int:
     return sum(node.server.usage.held()["acme"] for node in nodes)
-
-
 
 
 @pytest.mark.parametrize("data_path", ["tcp", "shm"])

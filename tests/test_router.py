@@ -30,7 +30,7 @@ from bench.vllm_engine import make_llama, make_tokenizer  # noqa: E402
 from tests.processes import ROOT, Service, start_master, start_node  # noqa: E402
 
 BLOCK = 32
-TTFT_SLO = 0.25   # the conductor's estimate for a 3,000-token prompt is ~0.43 s, for 300 tokens ~0.04 s
+TTFT_SLO = 0.25  # the conductor's estimate for a 3,000-token prompt is ~0.43 s, for 300 tokens ~0.04 s
 _rng = random.Random(7)
 
 
@@ -50,19 +50,54 @@ class Server:
     def __init__(self, model: str, master: str, role: str, log_path, **extra):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore_client.vllm",
-                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                  "kv_connector_extra_config": {"master": master, "role": role, "engine_url": self.url,
-                                                "load_report_interval": 0.2, **extra}}
+        config = {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore_client.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "master": master,
+                "role": role,
+                "engine_url": self.url,
+                "load_report_interval": 0.2,
+                **extra,
+            },
+        }
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self._log = open(log_path, "w")
         self.log_path = log_path
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
-             "tiny", "--dtype", "float32", "--block-size", str(BLOCK), "--enforce-eager", "--port", str(self.port),
-             "--host", "127.0.0.1", "--max-model-len", "4096", "--kv-cache-memory-bytes", str(64 << 20),
-             "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(config)],
-            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                model,
+                "--served-model-name",
+                "tiny",
+                "--dtype",
+                "float32",
+                "--block-size",
+                str(BLOCK),
+                "--enforce-eager",
+                "--port",
+                str(self.port),
+                "--host",
+                "127.0.0.1",
+                "--max-model-len",
+                "4096",
+                "--kv-cache-memory-bytes",
+                str(64 << 20),
+                "--enable-prompt-tokens-details",
+                "--kv-transfer-config",
+                json.dumps(config),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
@@ -101,8 +136,10 @@ def cluster(tmp_path_factory):
     master = start_master(ttl=60.0, extra=("--config", str(config)))
     address = master.record["master"]
     node = start_node(address, tmp_path_factory.mktemp("node"), dram="256MiB", ssd="0")
-    engines = {"prefill": Server(model, address, "prefill", logs / "prefill.log"),
-               "decode": Server(model, address, "decode", logs / "decode.log")}
+    engines = {
+        "prefill": Server(model, address, "prefill", logs / "prefill.log"),
+        "decode": Server(model, address, "decode", logs / "decode.log"),
+    }
     router = None
     try:
         for engine in engines.values():
@@ -110,7 +147,7 @@ def cluster(tmp_path_factory):
         router = Service(["router", "--master", address, "--port", "0", "--read-timeout", "20"])
         url = router.record["router"]
         deadline = time.monotonic() + 30
-        while get(f"{url}/health")[0] != 200:   # the engines' records reach the router
+        while get(f"{url}/health")[0] != 200:  # the engines' records reach the router
             assert time.monotonic() < deadline, "the router never saw both engines"
             time.sleep(0.2)
         yield {"router": url, "master": address, **engines}
@@ -151,13 +188,13 @@ def completion(url: str, body: dict) -> tuple[dict, dict]:
 def streamed_text(data: bytes) -> str:
     events = [e for e in data.decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]", events[-3:]
-    return "".join(json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1])
+    return "".join(json.loads(e[len("data: ") :])["choices"][0]["text"] for e in events[:-1])
 
 
 def test_completions_through_the_router_equal_the_engines_own(cluster):
     tokens = prompt(200)
     body = {"model": "tiny", "prompt": tokens, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    want, _ = completion(cluster["prefill"].url, body)            # from scratch: nobody has seen it
+    want, _ = completion(cluster["prefill"].url, body)  # from scratch: nobody has seen it
     got, headers = completion(cluster["router"], body)
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert headers["x-kvstore-decode-engine"] == cluster["decode"].url
@@ -176,8 +213,13 @@ def test_a_stream_through_the_router_equals_the_engines_answer(cluster):
 
 def test_chat_through_the_router_equals_the_engines_own(cluster):
     words = " ".join(f"w{t}" for t in prompt(120))
-    body = {"model": "tiny", "messages": [{"role": "user", "content": words}], "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": words}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     status, _, data = post(f"{cluster['prefill'].url}/v1/chat/completions", body)
     assert status == 200, data
     want = json.loads(data)["choices"][0]["message"]["content"]
@@ -199,8 +241,9 @@ def test_a_shared_prefix_is_found_by_the_conductor(cluster):
 
 
 def test_overload_is_429_with_retry_after(cluster):
-    status, headers, data = post(f"{cluster['router']}/v1/completions",
-                                 {"model": "tiny", "prompt": prompt(3000), "max_tokens": 4})
+    status, headers, data = post(
+        f"{cluster['router']}/v1/completions", {"model": "tiny", "prompt": prompt(3000), "max_tokens": 4}
+    )
     assert status == 429, data
     assert headers["Retry-After"] == "1" and headers["x-kvstore-reject-reason"] == "ttft_slo"
     assert json.loads(data)["error"]["type"] == "overloaded"
@@ -208,10 +251,19 @@ def test_overload_is_429_with_retry_after(cluster):
 
 def test_a_decode_engine_killed_mid_stream_ends_the_stream_with_an_error(cluster):
     """Last in the module: the decode engine does not come back."""
-    body = {"model": "tiny", "prompt": prompt(64), "max_tokens": 3500, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    req = urllib.request.Request(f"{cluster['router']}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": "tiny",
+        "prompt": prompt(64),
+        "max_tokens": 3500,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        f"{cluster['router']}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     start = time.monotonic()
     with urllib.request.urlopen(req, timeout=60) as resp:
         assert resp.status == 200

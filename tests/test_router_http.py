@@ -38,10 +38,19 @@ def post(url: str, body, timeout: float = 20):
         return exc.code, dict(exc.headers), exc.read()
 
 
-@pytest.mark.parametrize("body,message", [
-    (b"not json", "JSON"), ([1, 2], "JSON object"), ({"model": "tiny"}, "prompt"),
-    ({"prompt": [1, -2]}, "prompt"), ({"prompt": ""}, "empty"), ({"prompt": ["a", "b"]}, "one prompt"),
-    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"), ({"prompt": [1], "stream": "yes"}, "stream")])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (b"not json", "JSON"),
+        ([1, 2], "JSON object"),
+        ({"model": "tiny"}, "prompt"),
+        ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": ""}, "empty"),
+        ({"prompt": ["a", "b"]}, "one prompt"),
+        ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
+        ({"prompt": [1], "stream": "yes"}, "stream"),
+    ],
+)
 def test_bad_requests_are_400_with_an_openai_error(stack, body, message):
     url, backend, seen = stack
     status, _, data = post(f"{url}/v1/completions", body)
@@ -58,15 +67,25 @@ def test_a_chat_without_messages_is_400(stack):
 
 def test_prefill_gets_one_token_then_decode_gets_the_request_unchanged(stack):
     url, backend, seen = stack
-    body = {"model": "tiny", "prompt": list(range(1, 11)), "max_tokens": 5, "temperature": 0, "seed": 7,
-            "stop": ["x"], "min_tokens": 2, "stream_options": {"include_usage": True}, "custom_field": {"a": 1}}
+    body = {
+        "model": "tiny",
+        "prompt": list(range(1, 11)),
+        "max_tokens": 5,
+        "temperature": 0,
+        "seed": 7,
+        "stop": ["x"],
+        "min_tokens": 2,
+        "stream_options": {"include_usage": True},
+        "custom_field": {"a": 1},
+    }
     status, headers, data = post(f"{url}/v1/completions", body)
     assert status == 200
     prefill, decode = [b for path, b in seen if path == "/v1/completions"]
     assert prefill["max_tokens"] == 1 and prefill["stream"] is False and "min_tokens" not in prefill
-    assert {k: v for k, v in prefill.items() if k not in ("max_tokens", "stream", "n")} == \
-        {k: v for k, v in body.items() if k not in ("max_tokens", "min_tokens", "stream_options")}
-    assert decode == body                       # every field passed through as it came
+    assert {k: v for k, v in prefill.items() if k not in ("max_tokens", "stream", "n")} == {
+        k: v for k, v in body.items() if k not in ("max_tokens", "min_tokens", "stream_options")
+    }
+    assert decode == body  # every field passed through as it came
     assert json.loads(data)["echo"] == body
     keys, input_length, output_length, namespace = backend.scheduled[0]
     assert (len(keys), input_length, output_length, namespace) == (2, 10, 5, "ns/layer1")  # 10 tokens: 2 blocks of 4
@@ -78,8 +97,10 @@ def test_text_and_chat_prompts_are_tokenized_by_an_engine(stack):
     url, backend, seen = stack
     status, _, _ = post(f"{url}/v1/completions", {"model": "tiny", "prompt": "w1 w2 w3 w4 w5"})
     assert status == 200
-    status, _, _ = post(f"{url}/v1/chat/completions", {"model": "tiny", "messages": [
-        {"role": "user", "content": "w1 w2 w3 w4 w5 w6 w7 w8 w9"}], "max_tokens": 3})
+    status, _, _ = post(
+        f"{url}/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2 w3 w4 w5 w6 w7 w8 w9"}], "max_tokens": 3},
+    )
     assert status == 200
     tokenized = [b for path, b in seen if path == "tokenize"]
     assert tokenized[0] == {"model": "tiny", "prompt": "w1 w2 w3 w4 w5"}
@@ -100,7 +121,7 @@ def test_overload_is_429_with_retry_after_and_no_engine_call(stack):
 def test_an_engine_refusal_passes_through_and_the_request_is_cancelled(stack):
     url, backend, _ = stack
     status, _, data = post(f"{url}/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 500})
-    assert status == 400 and json.loads(data)["error"]["message"] == "too many"   # the engine's own answer
+    assert status == 400 and json.loads(data)["error"]["message"] == "too many"  # the engine's own answer
     assert backend.reports == ["prefill_started", "prefill_finished", "cancelled"]
 
 
@@ -110,20 +131,22 @@ def sse_events(data: bytes) -> list[str]:
 
 def test_streams_are_relayed_as_server_sent_events(stack):
     url, backend, _ = stack
-    status, headers, data = post(f"{url}/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 3,
-                                                           "stream": True})
+    status, headers, data = post(
+        f"{url}/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 3, "stream": True}
+    )
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     events = sse_events(data)
     assert events[-1] == "data: [DONE]"
-    assert [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1]] == [" w0", " w1", " w2"]
-    wait_for(lambda: backend.reports[-1:] == ["decode_finished"])   # reported once the stream has ended
+    assert [json.loads(e[len("data: ") :])["choices"][0]["text"] for e in events[:-1]] == [" w0", " w1", " w2"]
+    wait_for(lambda: backend.reports[-1:] == ["decode_finished"])  # reported once the stream has ended
 
 
 def test_an_engine_dying_mid_stream_ends_it_with_an_error_event(stack):
     url, backend, _ = stack
     start = time.monotonic()
-    status, _, data = post(f"{url}/v1/completions", {"model": "tiny", "prompt": [666, 2], "max_tokens": 3,
-                                                     "stream": True})
+    status, _, data = post(
+        f"{url}/v1/completions", {"model": "tiny", "prompt": [666, 2], "max_tokens": 3, "stream": True}
+    )
     assert status == 200 and time.monotonic() - start < 10
     events = sse_events(data)
     assert events[0].startswith("data: ") and events[-1] == "data: [DONE]"
@@ -136,7 +159,7 @@ def test_a_stalled_engine_times_out_instead_of_hanging(stack):
     url, backend, _ = stack
     start = time.monotonic()
     status, _, data = post(f"{url}/v1/completions", {"model": "tiny", "prompt": [777, 2]})
-    assert status == 504 and time.monotonic() - start < 10       # read timeout 1 s in the fixture
+    assert status == 504 and time.monotonic() - start < 10  # read timeout 1 s in the fixture
     assert json.loads(data)["error"]["type"] == "gateway_timeout"
     assert backend.reports[-1] == "cancelled"
 
@@ -158,8 +181,10 @@ def engine_pool(tmp_path):
     from kvstore_client import Client
 
     master = MasterServer(ttl_s=5.0, heartbeat_interval_s=0.2).start()
-    node = StorageNode(StoreConfig(dram_capacity=8 << 20, max_block_bytes=1 << 20),
-                       NodeOptions(master=master.address, unix_socket=False, data_dir=str(tmp_path / "node"))).start()
+    node = StorageNode(
+        StoreConfig(dram_capacity=8 << 20, max_block_bytes=1 << 20),
+        NodeOptions(master=master.address, unix_socket=False, data_dir=str(tmp_path / "node")),
+    ).start()
     client = Client(master.address, timeout=5)
     wait_for(lambda: client.cluster_status().nodes)
 
@@ -178,9 +203,17 @@ def register(client, node_id: str, engine_id: str, url: str, roles: tuple) -> No
     ids = {role: f"{engine_id}#{role}" for role in roles}
     for role, conductor_id in ids.items():
         client.scheduling.register_engine("vllm/layer0", conductor_id, role, node_id)
-    record = {"engine_id": engine_id, "url": url, "role": "both" if len(roles) == 2 else roles[0], "ids": ids,
-              "conductor_namespace": "vllm/layer0", "block_size": 4, "hash_algo": "sha256", "hash_seed": None,
-              "model": "tiny"}
+    record = {
+        "engine_id": engine_id,
+        "url": url,
+        "role": "both" if len(roles) == 2 else roles[0],
+        "ids": ids,
+        "conductor_namespace": "vllm/layer0",
+        "block_size": 4,
+        "hash_algo": "sha256",
+        "hash_seed": None,
+        "model": "tiny",
+    }
     client.put(record_key("vllm", engine_id), json.dumps(record).encode())
 
 
@@ -199,23 +232,24 @@ def test_a_killed_engine_leaves_the_conductor_and_the_request_runs_elsewhere(tmp
     try:
         register(client, node_id, "dead", dead.url, dead_roles)
         register(client, node_id, "live", live.url, ("prefill", "decode"))
-        dead.close()   # killed: its port refuses connections, nobody deregisters it
+        dead.close()  # killed: its port refuses connections, nobody deregisters it
         backend = PoolBackend(client, "vllm")
-        wait_for(lambda: len(backend.engines()) == 2)   # the records are indexed
+        wait_for(lambda: len(backend.engines()) == 2)  # the records are indexed
         routing = Router(backend, read_timeout=5.0, index_wait_s=0.1)
         router = Served(build_app(routing))
         for i in range(3):
-            status, headers, data = post(f"{router.url}/v1/completions",
-                                         {"model": "tiny", "prompt": [i + 1] * 9, "max_tokens": 2})
+            status, headers, data = post(
+                f"{router.url}/v1/completions", {"model": "tiny", "prompt": [i + 1] * 9, "max_tokens": 2}
+            )
             assert status == 200, data
             assert headers["x-kvstore-prefill-engine"] == "live#prefill"
             assert headers["x-kvstore-decode-engine"] == "live#decode"
-        assert routing.metrics.requests.get("engine_unreachable") == 1    # found once, then never picked again
+        assert routing.metrics.requests.get("engine_unreachable") == 1  # found once, then never picked again
         assert routing.metrics.requests.get("ok") == 3
         # a prefill and a decode each; a dead decode engine is found after its request's prefill, which
         # the retry, scheduled afresh, runs again
         assert len([p for p, _ in live_seen if p == "/v1/completions"]) == 6 + (dead_roles == ("decode",))
-        for role in dead_roles:   # the conductor no longer lists it
+        for role in dead_roles:  # the conductor no longer lists it
             assert client.scheduling.deregister_engine("vllm/layer0", f"dead#{role}").known is False
     finally:
         if router is not None:
@@ -243,13 +277,21 @@ def test_connector_role_keys_are_checked_at_start():
     from kvstore_client.vllm.settings import read_settings
 
     s = read_settings({"master": "m:1", "role": "prefill", "engine_url": "http://h:8001/"}, "kv_both")
-    assert (s.role, s.engine_url, s.engine_id, s.load_report_interval) == ("prefill", "http://h:8001",
-                                                                           "http://h:8001", 0.5)
+    assert (s.role, s.engine_url, s.engine_id, s.load_report_interval) == (
+        "prefill",
+        "http://h:8001",
+        "http://h:8001",
+        0.5,
+    )
     assert read_settings({"master": "m:1"}, "kv_both").role is None
-    for extra, message in (({"role": "decode"}, "engine_url"), ({"role": "mixed", "engine_url": "http://h:1"}, "role"),
-                           ({"engine_url": "h:1"}, "engine_url"), ({"engine_url": "http://h:1", "engine_id": "a#b"},
-                                                                    "engine_id"),
-                           ({"load_report_interval": 0}, "load_report_interval"), ({"rol": "decode"}, "unknown")):
+    for extra, message in (
+        ({"role": "decode"}, "engine_url"),
+        ({"role": "mixed", "engine_url": "http://h:1"}, "role"),
+        ({"engine_url": "h:1"}, "engine_url"),
+        ({"engine_url": "http://h:1", "engine_id": "a#b"}, "engine_id"),
+        ({"load_report_interval": 0}, "load_report_interval"),
+        ({"rol": "decode"}, "unknown"),
+    ):
         with pytest.raises(ConfigError, match=message):
             read_settings({"master": "m:1", **extra}, "kv_both")
     assert conductor_ids("E", "both") == {"prefill": "E#prefill", "decode": "E#decode"}
@@ -262,8 +304,9 @@ def test_an_engine_registers_on_a_live_node_of_its_own_machine_first():
     from kvstore_client.vllm.engines import local_node
 
     def status(*nodes):
-        return pb.ClusterStatusReply(nodes=[pb.NodeStatus(info=pb.NodeInfo(node_id=n, machine_id=m), alive=a)
-                                            for n, m, a in nodes])
+        return pb.ClusterStatusReply(
+            nodes=[pb.NodeStatus(info=pb.NodeInfo(node_id=n, machine_id=m), alive=a) for n, m, a in nodes]
+        )
 
     assert local_node(status(("a", "other", True), ("b", "me", False), ("c", "me", True)), "me") == "c"
     assert local_node(status(("a", "other", True)), "me") == "a"
@@ -278,7 +321,7 @@ def test_the_load_tracker_counts_waiting_and_running_requests():
 
     tracker = LoadTracker()
     a, b = SimpleNamespace(request_id="a", num_tokens=100), SimpleNamespace(request_id="b", num_tokens=40)
-    tracker.seen(a), tracker.seen(b), tracker.allocated(a), tracker.seen(a)   # seen again: still running
+    tracker.seen(a), tracker.seen(b), tracker.allocated(a), tracker.seen(a)  # seen again: still running
     assert tracker.load() == {"queue_length": 2, "running_batch": 1, "context_tokens": 100}
     tracker.finished("a"), tracker.finished("b")
     assert tracker.load() == {"queue_length": 0, "running_batch": 0, "context_tokens": 0}

@@ -7,8 +7,17 @@ import pytest
 
 from kvstore.master.errors import InvalidRequest
 from kvstore.master.index import DRAM, STORED, PrefixIndex
-from kvstore.scheduler import (Conductor, CostModel, CostParams, Decision, DecodeAssignment, DecodeLoadPredictor,
-                               Rejected, RejectReason, SimClock)
+from kvstore.scheduler import (
+    Conductor,
+    CostModel,
+    CostParams,
+    Decision,
+    DecodeAssignment,
+    DecodeLoadPredictor,
+    Rejected,
+    RejectReason,
+    SimClock,
+)
 from kvstore.scheduler.clock import MonotonicClock
 from kvstore_client.errors import ConfigError
 from tests.conftest import run_in_threads
@@ -20,11 +29,19 @@ COST = CostModel(CostParams(decode_kv_tokens=100_000))
 TBT_SLO = 1.0
 
 
-def make(admission: str, *, prefill: int = 2, decode: int = 1, ttft_slo: float = 1000.0, clock=None,
-         **kw) -> Conductor:
+def make(admission: str, *, prefill: int = 2, decode: int = 1, ttft_slo: float = 1000.0, clock=None, **kw) -> Conductor:
     index = PrefixIndex()
-    c = Conductor(index, COST, policy="kvcache_centric", admission=admission, ttft_slo=ttft_slo, tbt_slo=TBT_SLO,
-                  namespace=NS, clock=clock or SimClock(), **kw)
+    c = Conductor(
+        index,
+        COST,
+        policy="kvcache_centric",
+        admission=admission,
+        ttft_slo=ttft_slo,
+        tbt_slo=TBT_SLO,
+        namespace=NS,
+        clock=clock or SimClock(),
+        **kw,
+    )
     for i in range(prefill):
         index.add_node(f"n{i}")
         c.register_prefill(f"p{i}", f"n{i}")
@@ -191,7 +208,7 @@ def test_predictor_survival_model():
         p.finished(i, now=d)
     assert p.decode_time == pytest.approx(6.0)
     p.admitted("b", 500, predicted_decode_start=3.0)
-    assert p.tokens_at(2.0, now=0.0) == 1000       # "a" survives 2 s surely; "b" is not in decode yet
+    assert p.tokens_at(2.0, now=0.0) == 1000  # "a" survives 2 s surely; "b" is not in decode yet
     assert p.tokens_at(5.0, now=0.0) == 500 + 500  # "a" half likely past 5 s; "b" surely there
     assert p.tokens_at(5.0, now=4.5) == 500 + 1000  # "a" has survived 4.5 s: it lasts 8 s
 
@@ -208,7 +225,7 @@ def test_predictor_counts_running_decodes_as_censored():
     p.decoding("long1", 1000, now=0.0)
     p.admitted("b", 500, predicted_decode_start=11.0)
     assert p.tokens_at(16.0, now=10.0) == pytest.approx(2000 + 500 * 2 / 5)  # "long*" outlived every death
-    assert p.tokens_at(10.5, now=10.0) == pytest.approx(2000)                 # "b" not in decode yet
+    assert p.tokens_at(10.5, now=10.0) == pytest.approx(2000)  # "b" not in decode yet
     p.finished("long0", now=12.0)
     p.finished("long1", now=12.0)
     assert p.tokens_at(13.0, now=12.0) == pytest.approx(500 * 2 / 5)  # S(2) = 2/5 from 3 x 2 s, 2 x 12 s
@@ -246,46 +263,46 @@ def test_load_reports_follow_the_registered_role_and_an_idle_decode_report_clear
 
 def test_a_deregistered_engine_gets_no_new_work_and_its_requests_end():
     c = make("off", decode=2)
-    dec = run_to_decode(c, "dec", 1_000, now=0.0)              # decoding on dec.decode
-    q = c.schedule(KEYS, 4000, 10, now=1.0, request_id="q")    # queued on q.prefill
-    assert c.deregister(q.prefill, now=1.0) == 1                # "q" ends; "dec" had left prefill
+    dec = run_to_decode(c, "dec", 1_000, now=0.0)  # decoding on dec.decode
+    q = c.schedule(KEYS, 4000, 10, now=1.0, request_id="q")  # queued on q.prefill
+    assert c.deregister(q.prefill, now=1.0) == 1  # "q" ends; "dec" had left prefill
     assert c.deregister(q.prefill, now=1.0) is None and c.in_flight() == 1
     with pytest.raises(InvalidRequest):
         c.prefill_started("q", now=1.0)
     assert all(d.reserved_tokens == 0 for d in c.registry.decode_instances())  # q's pairing released
     r = c.schedule(KEYS, 4000, 10, now=2.0, request_id="r")
-    assert r.prefill != q.prefill and r.decode != dec.decode    # paired with the idle decode engine
-    assert c.deregister(r.decode, now=2.0) == 0                 # r was only paired with it
+    assert r.prefill != q.prefill and r.decode != dec.decode  # paired with the idle decode engine
+    assert c.deregister(r.decode, now=2.0) == 0  # r was only paired with it
     c.prefill_started("r", now=2.0)
     out = c.prefill_finished("r", now=3.0)
     assert isinstance(out, DecodeAssignment) and out.decode == dec.decode  # paired again at decode
     assert list(c.loads(3.0)["decode"]) == [dec.decode]
     assert c.deregister(dec.decode, now=3.0) == 2 and c.in_flight() == 0
-    c.decode_finished("dec", now=4.0)                           # a late report of an ended request: ignored
+    c.decode_finished("dec", now=4.0)  # a late report of an ended request: ignored
     assert c.loads(4.0)["decode"] == {}
 
 
 def test_a_request_never_reported_finished_expires_after_the_ttl():
     clock = SimClock()
     c = make("off", prefill=1, clock=clock, request_ttl=10.0)
-    c.schedule(KEYS, 4000, 10, request_id="lost")               # never reported again
+    c.schedule(KEYS, 4000, 10, request_id="lost")  # never reported again
     c.schedule(KEYS, 4000, 10, request_id="live")
     clock.advance(6.0)
-    c.prefill_started("live")                                   # a report: 10 s more from now
+    c.prefill_started("live")  # a report: 10 s more from now
     clock.advance(5.0)
     assert c.expire() == 1 and c.expired == 1 and c.in_flight() == 1
     assert c.loads()["prefill"]["p0"]["assigned"] == 1
     with pytest.raises(InvalidRequest):
         c.prefill_started("lost")
-    clock.advance(5.0)                                          # 16 s: "live" is past its TTL too
+    clock.advance(5.0)  # 16 s: "live" is past its TTL too
     assert c.loads()["prefill"]["p0"]["assigned"] == 0 and c.expired == 2
     assert isinstance(c.schedule(KEYS, 4000, 10, request_id="lost"), Decision)  # the id is free again
 
-    d = make("off", request_ttl=10.0)                           # a decode that is never reported finished
+    d = make("off", request_ttl=10.0)  # a decode that is never reported finished
     out = run_to_decode(d, "x", 5_000, now=0.0)
     assert d.loads(now=1.0)["decode"][out.decode]["tokens"] == 5_000
     assert d.loads(now=1.0 + 10.0 + 60.0)["decode"][out.decode]["tokens"] == 0
-    assert make("off").expire(now=1e12) == 0                    # no TTL by default (replay)
+    assert make("off").expire(now=1e12) == 0  # no TTL by default (replay)
     with pytest.raises(ConfigError):
         make("off", request_ttl=0)
 

@@ -19,8 +19,10 @@ def replay(admission: str, requests: list[tuple[str, float, int, int]]) -> dict:
     conductor = Conductor(PrefixIndex(), COST, admission=admission, ttft_slo=10.0, tbt_slo=0.1, clock=clock)
     sim = Simulation(conductor, clock, prefill=1, decode=1, cache_blocks=1000, sample_s=0)
     block = iter(range(10**6))
-    sims = [SimRequest(i, t, n, o, [next(block).to_bytes(8, "little") for _ in range(n // 512)])
-            for i, (_, t, n, o) in enumerate(requests)]
+    sims = [
+        SimRequest(i, t, n, o, [next(block).to_bytes(8, "little") for _ in range(n // 512)])
+        for i, (_, t, n, o) in enumerate(requests)
+    ]
     result = sim.run(sims)
     return {name: r for (name, *_), r in zip(requests, sims)} | {"wasted": result.wasted_prefill_s}
 

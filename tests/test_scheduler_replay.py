@@ -23,8 +23,14 @@ def synthetic_trace(requests: int = 300, sessions: int = 30, gap_ms: int = 400, 
         new = list(range(next_id, next_id + rng.randint(1, 6)))
         next_id += len(new)
         chains[s] = chain = chain + new
-        out.append({"timestamp": i * gap_ms, "input_length": len(chain) * 512 - rng.randrange(512),
-                    "output_length": rng.randint(20, 400), "hash_ids": list(chain)})
+        out.append(
+            {
+                "timestamp": i * gap_ms,
+                "input_length": len(chain) * 512 - rng.randrange(512),
+                "output_length": rng.randint(20, 400),
+                "hash_ids": list(chain),
+            }
+        )
     return out
 
 
@@ -45,8 +51,10 @@ def test_every_policy_replays_and_serves_everything_without_admission(policy):
 def test_cache_awareness_raises_hits_and_lowers_ttft():
     # Caches hold the working set once over (about 1,000 distinct blocks, 4 x 400 slots). Much smaller
     # ones (4 x 200) thrash under kvcache_centric: replicas of fetched prefixes evict other sessions.
-    runs = {p: replay.replay(TRACE, p, prefill=4, decode=2, cache_blocks=400, speed=3)
-            for p in ("random", "cache_aware", "kvcache_centric")}
+    runs = {
+        p: replay.replay(TRACE, p, prefill=4, decode=2, cache_blocks=400, speed=3)
+        for p in ("random", "cache_aware", "kvcache_centric")
+    }
     assert runs["kvcache_centric"]["prefix_hit_ratio"] >= runs["cache_aware"]["prefix_hit_ratio"]
     assert runs["cache_aware"]["prefix_hit_ratio"] > runs["random"]["prefix_hit_ratio"]
     assert runs["kvcache_centric"]["mean_ttft_s"] < runs["cache_aware"]["mean_ttft_s"] < runs["random"]["mean_ttft_s"]
@@ -63,7 +71,9 @@ OVERLOAD = dict(prefill=2, decode=1, speed=4, decode_kv_tokens=60_000, tbt_slo=0
 
 
 def test_overload_rejections_and_wasted_prefill():
-    runs = {a: replay.replay(TRACE, "kvcache_centric", admission=a, **OVERLOAD) for a in ("none", "early", "prediction")}
+    runs = {
+        a: replay.replay(TRACE, "kvcache_centric", admission=a, **OVERLOAD) for a in ("none", "early", "prediction")
+    }
     none = runs["none"]
     assert none["rejected_after_prefill"] > 0 and none["wasted_prefill_s"] > 0
     for a in ("early", "prediction"):
@@ -88,9 +98,29 @@ def test_admission_table_once_per_seed(capsys, tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in TRACE))
     opts = {k: str(v) for k, v in OVERLOAD.items()}
-    replay.main(["--trace", str(path), "--table", "admission", "--seeds", "0,1", "--jitter-s", "0.5",
-                 "--prefill", opts["prefill"], "--decode", opts["decode"], "--speed", opts["speed"],
-                 "--decode-kv-tokens", opts["decode_kv_tokens"], "--ttft-slo", opts["ttft_slo"], "--json"])
+    replay.main(
+        [
+            "--trace",
+            str(path),
+            "--table",
+            "admission",
+            "--seeds",
+            "0,1",
+            "--jitter-s",
+            "0.5",
+            "--prefill",
+            opts["prefill"],
+            "--decode",
+            opts["decode"],
+            "--speed",
+            opts["speed"],
+            "--decode-kv-tokens",
+            opts["decode_kv_tokens"],
+            "--ttft-slo",
+            opts["ttft_slo"],
+            "--json",
+        ]
+    )
     runs = json.loads(capsys.readouterr().out)["runs"]
     assert set(runs) == {f"{a} seed={s}" for a in ("none", "early", "prediction") for s in (0, 1)}
     for r in runs.values():
@@ -101,11 +131,38 @@ def test_admission_table_once_per_seed(capsys, tmp_path):
 def test_cli_json_and_tables(tmp_path, capsys):
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in reversed(TRACE)))  # replay sorts by timestamp
-    replay.main(["--trace", str(path), "--policy", "cache_aware", "--prefill", "2", "--decode", "1",
-                 "--cache-blocks", "100", "--speed", "2", "--admission", "none", "--json"])
+    replay.main(
+        [
+            "--trace",
+            str(path),
+            "--policy",
+            "cache_aware",
+            "--prefill",
+            "2",
+            "--decode",
+            "1",
+            "--cache-blocks",
+            "100",
+            "--speed",
+            "2",
+            "--admission",
+            "none",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
-    for key in ("mean_ttft_s", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "ttft_slo_attainment", "prefix_hit_ratio",
-                "blocks_transferred", "rejected", "wasted_prefill_s", "decode_load_std"):
+    for key in (
+        "mean_ttft_s",
+        "p50_ttft_s",
+        "p90_ttft_s",
+        "p99_ttft_s",
+        "ttft_slo_attainment",
+        "prefix_hit_ratio",
+        "blocks_transferred",
+        "rejected",
+        "wasted_prefill_s",
+        "decode_load_std",
+    ):
         assert key in out
     assert out["requests"] == len(TRACE) and "decode_load_series" not in out
     replay.main(["--trace", str(path), "--table", "policies", "--prefill", "2", "--decode", "1", "--limit", "50"])

@@ -12,8 +12,9 @@ CONFIGS = ("plain", "auth", "tls", "tls_auth")
 
 
 def test_security_overhead_bench_runs_small(capsys):
-    security_overhead.main(["--size", "64KiB", "--blocks", "4", "--rounds", "2", "--seconds", "0.02",
-                            "--connects", "2", "--json"])
+    security_overhead.main(
+        ["--size", "64KiB", "--blocks", "4", "--rounds", "2", "--seconds", "0.02", "--connects", "2", "--json"]
+    )
     result = json.loads(capsys.readouterr().out)
     figures = result["figures"]
     names = [f"{c}_gbps" for c in CONFIGS] + [f"{c}_connect_ms" for c in CONFIGS]

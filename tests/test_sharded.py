@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from kvstore.sharded import SHARDS, ShardedDict, ShardedRecency
 
 KEYS = st.sampled_from([("ns", os.urandom(16)) for _ in range(40)] + list(range(10)) + ["a", "b"])
-DICT_OPS = st.lists(st.tuples(st.sampled_from(["set", "del", "pop", "get", "clear"]), KEYS, st.integers()),
-                    max_size=200)
+DICT_OPS = st.lists(
+    st.tuples(st.sampled_from(["set", "del", "pop", "get", "clear"]), KEYS, st.integers()), max_size=200
+)
 
 
 @given(DICT_OPS)

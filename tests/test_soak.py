@@ -12,8 +12,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_short_soak_reports_every_process():
-    proc = subprocess.run([sys.executable, "-m", "bench.soak", "--minutes", "0.2", "--json"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=90)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.soak", "--minutes", "0.2", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout)
     assert set(r["processes"]) == {"master", "node-1", "node-2", "clients"}

@@ -196,11 +196,18 @@ def check_accounting(store: BlockStore) -> None:
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_concurrent_readers_writers_pinner(tmp_path, policy):
-    store = BlockStore(StoreConfig(
-        dram_capacity=512 * KiB, granule=GRANULE, max_block_bytes=MAX_BLOCK, policy=policy,
-        ssd_path=str(tmp_path / "ssd"), ssd_capacity=768 * KiB, background_eviction=True,
-        eviction_batch=8,
-    ))
+    store = BlockStore(
+        StoreConfig(
+            dram_capacity=512 * KiB,
+            granule=GRANULE,
+            max_block_bytes=MAX_BLOCK,
+            policy=policy,
+            ssd_path=str(tmp_path / "ssd"),
+            ssd_capacity=768 * KiB,
+            background_eviction=True,
+            eviction_batch=8,
+        )
+    )
     try:
         shared, pinned = Shared(), {}
         threads = [threading.Thread(target=guarded(shared, writer), args=(store, shared, w)) for w in range(WRITERS)]
@@ -256,10 +263,17 @@ class InterleavedStore(BlockStore):
 
 
 def small_store(tmp_path, **parts) -> InterleavedStore:
-    return InterleavedStore(StoreConfig(
-        dram_capacity=128 * KiB, max_block_bytes=64 * KiB, ssd_path=str(tmp_path / "ssd"),
-        ssd_capacity=1024 * KiB, policy="lru", background_eviction=False,
-    ), **parts)
+    return InterleavedStore(
+        StoreConfig(
+            dram_capacity=128 * KiB,
+            max_block_bytes=64 * KiB,
+            ssd_path=str(tmp_path / "ssd"),
+            ssd_capacity=1024 * KiB,
+            policy="lru",
+            background_eviction=False,
+        ),
+        **parts,
+    )
 
 
 def block(tag: int, size: int) -> bytes:

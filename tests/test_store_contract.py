@@ -245,8 +245,17 @@ def test_stats_shape(make_store, tiers):
     store.get(key(1))
     store.get(key(2))
     stats = store.stats()
-    expected = {"capacity", "used", "blocks", "hits", "misses", "evictions", "demotions", "promotions",
-                "checksum_failures"}
+    expected = {
+        "capacity",
+        "used",
+        "blocks",
+        "hits",
+        "misses",
+        "evictions",
+        "demotions",
+        "promotions",
+        "checksum_failures",
+    }
     assert expected <= set(stats["dram"])
     assert stats["dram"]["hits"] == 1 and stats["dram"]["misses"] == 1 and stats["dram"]["blocks"] == 1
     assert ("ssd" in stats) == (tiers == "dram+ssd")
@@ -294,8 +303,9 @@ def test_a_promoted_block_keeps_its_ssd_copy_and_is_demoted_again_without_a_writ
     assert store.tier_of(key(i)) == "ssd" and store.get(key(i)) == value_for(key(i), 60 * KiB)
     demoted = after["dram"]["demotions"] - before["dram"]["demotions"]
     assert after["ssd"]["bytes_written"] - before["ssd"]["bytes_written"] == 60 * KiB * (demoted - 1)
-    assert after["ssd"]["used"] == sum(store.size_of(k) for k in store.keys()
-                                       if store.tier_of(k) == "ssd" or store.describe(k).ssd_copy)
+    assert after["ssd"]["used"] == sum(
+        store.size_of(k) for k in store.keys() if store.tier_of(k) == "ssd" or store.describe(k).ssd_copy
+    )
 
 
 @pytest.mark.parametrize("tiers", ["dram+ssd"])

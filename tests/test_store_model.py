@@ -52,9 +52,7 @@ CHAIN = KEYS[:6]  # a prefix chain: match_prefix walks it until the first miss
 key_strategy = st.sampled_from(KEYS)
 # Mostly large blocks (so the tiers fill within a few steps), plus the edge sizes.
 size_strategy = st.one_of(
-    st.tuples(st.integers(1, MAX_BLOCK // GRANULE), st.integers(0, GRANULE - 1)).map(
-        lambda t: t[0] * GRANULE - t[1]
-    ),
+    st.tuples(st.integers(1, MAX_BLOCK // GRANULE), st.integers(0, GRANULE - 1)).map(lambda t: t[0] * GRANULE - t[1]),
     st.sampled_from([1, GRANULE - 1, GRANULE, GRANULE + 1, MAX_BLOCK - 1, MAX_BLOCK]),
 )
 seed_strategy = st.integers(0, 2**32 - 1)
@@ -85,8 +83,12 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.ssd_dir = None
         options = dict(
-            dram_capacity=DRAM_CAPACITY, granule=GRANULE, max_block_bytes=MAX_BLOCK, policy=self.POLICY,
-            background_eviction=self.BACKGROUND, namespaces=NAMESPACES,
+            dram_capacity=DRAM_CAPACITY,
+            granule=GRANULE,
+            max_block_bytes=MAX_BLOCK,
+            policy=self.POLICY,
+            background_eviction=self.BACKGROUND,
+            namespaces=NAMESPACES,
         )
         if self.TIERS == "dram+ssd":
             self.ssd_dir = self.ROOT / f"ssd{next(self._counter)}"
@@ -344,12 +346,27 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- invalid input -----------------------------------------------------------------------------
     @rule(
-        case=st.sampled_from([
-            "empty value", "oversized value", "zero reserve", "negative depth", "empty namespace",
-            "empty digest", "str key", "str digest", "long digest", "unknown namespace put",
-            "unknown namespace get", "bad key get_into", "bad key pin", "bad key remove",
-            "bad key exists", "bad key match_prefix", "non-buffer value",
-        ]),
+        case=st.sampled_from(
+            [
+                "empty value",
+                "oversized value",
+                "zero reserve",
+                "negative depth",
+                "empty namespace",
+                "empty digest",
+                "str key",
+                "str digest",
+                "long digest",
+                "unknown namespace put",
+                "unknown namespace get",
+                "bad key get_into",
+                "bad key pin",
+                "bad key remove",
+                "bad key exists",
+                "bad key match_prefix",
+                "non-buffer value",
+            ]
+        ),
         key=key_strategy,
     )
     def invalid_input(self, case, key):
@@ -444,7 +461,9 @@ def test_store_matches_model(tmp_path, tiers, policy, background):
     run_state_machine_as_test(
         make_machine(tiers, policy, background, tmp_path),
         settings=settings(
-            max_examples=30, stateful_step_count=60, deadline=None,
+            max_examples=30,
+            stateful_step_count=60,
+            deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )

@@ -39,8 +39,13 @@ def value_of(i: int, size: int = 16 * KiB) -> bytes:
 
 def open_store(ssd_path, **overrides) -> BlockStore:
     options = dict(
-        dram_capacity=64 * KiB, max_block_bytes=16 * KiB, ssd_path=str(ssd_path), ssd_capacity=256 * KiB,
-        policy="lru", ssd_policy="length_aware", background_eviction=False,
+        dram_capacity=64 * KiB,
+        max_block_bytes=16 * KiB,
+        ssd_path=str(ssd_path),
+        ssd_capacity=256 * KiB,
+        policy="lru",
+        ssd_policy="length_aware",
+        background_eviction=False,
     )
     options.update(overrides)
     return BlockStore(StoreConfig(**options))
@@ -167,8 +172,9 @@ def test_kill_9_keeps_every_block_reported_in_ssd(tmp_path):
     ssd_path = tmp_path / "ssd"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     stderr = open(tmp_path / "child.err", "wb")
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ssd_path)], stdout=subprocess.PIPE, stderr=stderr,
-                            env=env, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(ssd_path)], stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=tmp_path
+    )
     arena = None
     try:
         try:
@@ -203,8 +209,9 @@ def test_kill_9_keeps_every_block_reported_in_ssd(tmp_path):
             assert store.get(k) == child_value(int.from_bytes(k[1], "little"))
         stats = store.stats()
         assert stats["ssd"]["checksum_failures"] == 0
-        assert stats["ssd"]["used"] == sum(store.size_of(k) for k in store.keys()
-                                           if store.tier_of(k) == "ssd" or store.describe(k).ssd_copy)
+        assert stats["ssd"]["used"] == sum(
+            store.size_of(k) for k in store.keys() if store.tier_of(k) == "ssd" or store.describe(k).ssd_copy
+        )
 
 
 # --- (c) a damaged record ----------------------------------------------------------------------------

@@ -31,9 +31,31 @@ def pool(tmp_path_factory):
     nodes = []
     try:
         for i in range(2):
-            nodes.append(Service(["node", "--master", master.record["master"], "--port", "0", "--metrics-port", "-1",
-                                  "--data-dir", str(base / f"n{i}"), "--dram", "32MiB", "--ssd", "0",
-                                  "--max-block", "1MiB", "--auth", access, "--token", NODE]))
+            nodes.append(
+                Service(
+                    [
+                        "node",
+                        "--master",
+                        master.record["master"],
+                        "--port",
+                        "0",
+                        "--metrics-port",
+                        "-1",
+                        "--data-dir",
+                        str(base / f"n{i}"),
+                        "--dram",
+                        "32MiB",
+                        "--ssd",
+                        "0",
+                        "--max-block",
+                        "1MiB",
+                        "--auth",
+                        access,
+                        "--token",
+                        NODE,
+                    ]
+                )
+            )
         with Client(master.record["master"], token=ADMIN) as admin:
             wait_for(lambda: sum(n.alive for n in admin.cluster_status().nodes) == 2, timeout=30)
         yield master.record["master"], nodes
@@ -50,10 +72,11 @@ def stored(pool, request):
     path = request.param
     keys = BlockHasher(NS_A if path == "tcp" else f"{NS_A}-{path}", 4).keys(list(range(4 * 24)))  # both A's
     values = [value_for(k, 8 * KiB) for k in keys]
-    with Client(master, token=TENANT_A, data_path=path, location_ttl=0, placement_ttl=0,
-                placement_bytes=64 * KiB) as a:  # a placement per 8 blocks: they spread over the nodes
+    with Client(
+        master, token=TENANT_A, data_path=path, location_ttl=0, placement_ttl=0, placement_bytes=64 * KiB
+    ) as a:  # a placement per 8 blocks: they spread over the nodes
         for i in range(0, len(keys), 8):
-            a.batch_put(keys[i:i + 8], values[i:i + 8])
+            a.batch_put(keys[i : i + 8], values[i : i + 8])
         wait_for(lambda: all(a.batch_exists(keys)), timeout=30)
     return path, keys, values
 
@@ -109,8 +132,7 @@ def data_connections(nodes, token: str):
         record = node.record
         yield f"tcp:{record['node_id']}", TcpConnection(record["data"], credentials=creds)
         yield f"unix:{record['node_id']}", UnixConnection(record["unix_socket"], credentials=creds)
-        yield f"shm:{record['node_id']}", ShmConnection(record["unix_socket"], record["shm_arena"],
-                                                        credentials=creds)
+        yield f"shm:{record['node_id']}", ShmConnection(record["unix_socket"], record["shm_arena"], credentials=creds)
 
 
 def test_another_tenant_is_refused_straight_at_every_node(pool, stored):
@@ -120,9 +142,13 @@ def test_another_tenant_is_refused_straight_at_every_node(pool, stored):
     _, keys, values = stored
     for name, conn in data_connections(nodes, TENANT_B):
         with conn:
-            for attempt in (lambda: conn.get(keys[0]), lambda: conn.get_many(keys[:4]),
-                            lambda: conn.put(keys[0], b"overwritten"), lambda: conn.remove(keys[0]),
-                            lambda: conn.exists(keys[0])):
+            for attempt in (
+                lambda: conn.get(keys[0]),
+                lambda: conn.get_many(keys[:4]),
+                lambda: conn.put(keys[0], b"overwritten"),
+                lambda: conn.remove(keys[0]),
+                lambda: conn.exists(keys[0]),
+            ):
                 with pytest.raises(PermissionDenied):
                     attempt()
                     pytest.fail(f"{name}: not refused")

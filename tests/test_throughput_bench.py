@@ -16,15 +16,17 @@ FIELDS = ("kvstore_gbps", "redis_gbps", "redis_c_gbps", "socket_gbps", "memcpy_g
 
 @pytest.fixture(scope="module")
 def result():
-    settings = Settings(sizes=SIZES, clients=[1, 2], bytes_per_client=256 << 10, batch=4, rounds=1,
-                        redis=False, progress=False)
+    settings = Settings(
+        sizes=SIZES, clients=[1, 2], bytes_per_client=256 << 10, batch=4, rounds=1, redis=False, progress=False
+    )
     return run(settings)
 
 
 def test_one_record_per_size_op_transport_clients(result):
     records = result["records"]
     assert {(r["size"], r["op"], r["transport"], r["clients"]) for r in records} == {
-        (s, op, t, c) for s in SIZES for op in OPS for t in ("tcp", "shm") for c in (1, 2)}
+        (s, op, t, c) for s in SIZES for op in OPS for t in ("tcp", "shm") for c in (1, 2)
+    }
     assert len(records) == len(SIZES) * len(OPS) * 2 * 2
     for r in records:
         assert all(f in r for f in FIELDS)
@@ -52,10 +54,29 @@ def test_table_lists_every_record_and_the_notes(result):
 
 
 def test_cli_json(tmp_path):
-    args = ["bench", "--sizes", "16KiB", "--ops", "put,get_into", "--transports", "tcp", "--clients", "1",
-            "--bytes", "64KiB", "--batch", "2", "--rounds", "1", "--no-redis", "--quiet", "--json"]
+    args = [
+        "bench",
+        "--sizes",
+        "16KiB",
+        "--ops",
+        "put,get_into",
+        "--transports",
+        "tcp",
+        "--clients",
+        "1",
+        "--bytes",
+        "64KiB",
+        "--batch",
+        "2",
+        "--rounds",
+        "1",
+        "--no-redis",
+        "--quiet",
+        "--json",
+    ]
     try:
         import matplotlib  # noqa: F401
+
         args += ["--plot", str(tmp_path / "bench.png")]
     except ImportError:
         pass
@@ -94,10 +115,30 @@ def test_ctrl_c_stops_the_benchmark_cleanly(tmp_path):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     env = dict(os.environ, KVSTORE_SHM_DIR=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "bench", "--sizes", "1MiB", "--no-redis",
-                             "--clients", "2", "--bytes", "8MiB", "--batch", "4", "--rounds", "100000"],
-                            start_new_session=True, preexec_fn=as_from_a_terminal,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "bench",
+            "--sizes",
+            "1MiB",
+            "--no-redis",
+            "--clients",
+            "2",
+            "--bytes",
+            "8MiB",
+            "--batch",
+            "4",
+            "--rounds",
+            "100000",
+        ],
+        start_new_session=True,
+        preexec_fn=as_from_a_terminal,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     err = bytearray()
 
     def collect() -> None:
@@ -122,8 +163,17 @@ def test_ctrl_c_stops_the_benchmark_cleanly(tmp_path):
     assert os.listdir(tmp_path) == []  # the pool's arena, block directory and socket all removed
 
 
-@pytest.mark.parametrize("args", [["--clients", "0"], ["--clients", "2,-1"], ["--rounds", "0"], ["--batch", "-1"],
-                                  ["--sizes", "0"], ["--bytes", "0"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--clients", "0"],
+        ["--clients", "2,-1"],
+        ["--rounds", "0"],
+        ["--batch", "-1"],
+        ["--sizes", "0"],
+        ["--bytes", "0"],
+    ],
+)
 def test_settings_that_cannot_run_are_a_usage_error(args, capsys):
     from bench import throughput
 

@@ -80,9 +80,11 @@ def test_exact_accounting(tmp_path):
     assert put(tier, key(1), b"c" * 50, depth=3)  # replace: smaller
     assert tier.used_bytes == 250 and tier.get(key(1)) == b"c" * 50 and tier.depth_of(key(1)) == 3
     assert tier.discard(key(2)) and tier.used_bytes == 50
-    batch = [(key(5), b"x" * 10, xxhash.xxh3_64_intdigest(b"x" * 10), 1),
-             (key(5), b"y" * 20, xxhash.xxh3_64_intdigest(b"y" * 20), 2),
-             (key(6), b"z" * 30, xxhash.xxh3_64_intdigest(b"z" * 30), 0)]
+    batch = [
+        (key(5), b"x" * 10, xxhash.xxh3_64_intdigest(b"x" * 10), 1),
+        (key(5), b"y" * 20, xxhash.xxh3_64_intdigest(b"y" * 20), 2),
+        (key(6), b"z" * 30, xxhash.xxh3_64_intdigest(b"z" * 30), 0),
+    ]
     assert tier.put_many(batch) == [True, True, True]
     assert tier.get(key(5)) == b"y" * 20 and tier.depth_of(key(5)) == 2
     assert tier.used_bytes == 50 + 20 + 30 and len(tier) == 3
@@ -225,8 +227,13 @@ def child_env() -> dict:
 @pytest.mark.parametrize("delay", [0.0, 0.013, 0.037])
 def test_kill_9_loses_no_committed_block(tmp_path, delay):
     path, window = str(tmp_path / "ssd"), 40
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, path, str(window)], env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, path, str(window)],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     watchdog = threading.Timer(10, proc.kill)
     watchdog.start()
     try:

@@ -44,22 +44,40 @@ def _name(common: str) -> x509.Name:
 
 
 def _write_key(key, path) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     path.chmod(0o600)
 
 
 def make_ca(directory, name: str = "kvstore test CA"):
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(name))
+        .issuer_name(_name(name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
     path = directory / f"{name.replace(' ', '-')}.pem"
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return cert, key, path
@@ -69,16 +87,30 @@ def issue(directory, ca, stem: str, server: bool):
     ca_cert, ca_key, _ = ca
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(_name(stem)).issuer_name(ca_cert.subject)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-               # a service's certificate is also what it shows when it dials the pool (mutual TLS)
-               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-                                                    if server else [ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(stem))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        # a service's certificate is also what it shows when it dials the pool (mutual TLS)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                if server
+                else [ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+    )
     if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
     cert = builder.sign(ca_key, hashes.SHA256())
     cert_path, key_path = directory / f"{stem}.pem", directory / f"{stem}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -100,9 +132,12 @@ def pki(tmp_path_factory):
 def start_pool(pki, *, mutual: bool = False, access=None, node_token: str | None = None):
     tls = ServerTLS(*pki["server"], ca=pki["ca"], mutual=mutual)
     master = MasterServer(ttl_s=30.0, heartbeat_interval_s=0.2, tls=tls, access=access).start()
-    node = StorageNode(StoreConfig(dram_capacity=8 * MiB, max_block_bytes=MiB),
-                       NodeOptions(master=master.address, unix_socket=False, tls=tls, access=access,
-                                   credentials=tls.dialing(node_token))).start()
+    node = StorageNode(
+        StoreConfig(dram_capacity=8 * MiB, max_block_bytes=MiB),
+        NodeOptions(
+            master=master.address, unix_socket=False, tls=tls, access=access, credentials=tls.dialing(node_token)
+        ),
+    ).start()
     return master, node
 
 
@@ -195,8 +230,9 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(mutual_pool, pki):
             conn.get(("tls", b"d" * 16))
     cert, key = pki["stranger"]  # a certificate, but from another CA
     with pytest.raises(TransportError):
-        with TcpConnection(node.server.address, timeout=10,
-                           credentials=Credentials(tls_ca=pki["ca"], tls_cert=cert, tls_key=key)) as conn:
+        with TcpConnection(
+            node.server.address, timeout=10, credentials=Credentials(tls_ca=pki["ca"], tls_cert=cert, tls_key=key)
+        ) as conn:
             conn.get(("tls", b"d" * 16))
 
 

@@ -36,9 +36,11 @@ def test_hashed_keeps_the_token_out_of_the_entry():
 def test_two_tokens_differ_and_bad_entries_are_refused_with_a_clear_error():
     first, second = (tomllib.loads(run("x", "--role", "admin").output)["tokens"]["x"]["secret"] for _ in range(2))
     assert first != second and len(first) >= 40
-    for args, message in ((["t", "--role", "tenant"], "needs namespaces"),
-                          (["n", "--role", "node", "--namespace", "a"], "for tenants"),
-                          (["bad name", "--role", "admin"], "token name"),
-                          (["t", "--role", "tenant", "--namespace", "a*b"], "may only end")):
+    for args, message in (
+        (["t", "--role", "tenant"], "needs namespaces"),
+        (["n", "--role", "node", "--namespace", "a"], "for tenants"),
+        (["bad name", "--role", "admin"], "token name"),
+        (["t", "--role", "tenant", "--namespace", "a*b"], "may only end"),
+    ):
         result = run(*args)
         assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output, result.output

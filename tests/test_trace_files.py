@@ -23,8 +23,12 @@ def good_line(**changes) -> str:
 
 
 def run_bench(name: str, trace: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", f"bench.{name}", "--trace", trace, "--json", *BENCHES[name]],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", "--trace", trace, "--json", *BENCHES[name]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def without(field: str) -> str:
@@ -66,8 +70,10 @@ def test_replay_needs_the_lengths(tmp_path, field):
 
 
 def test_hit_rate_does_not_need_the_lengths(tmp_path):
-    trace = write_trace(tmp_path / "t.jsonl", [json.dumps({"timestamp": 0, "hash_ids": [1, 2]}),
-                                               json.dumps({"timestamp": 1, "hash_ids": [1, -3]})])
+    trace = write_trace(
+        tmp_path / "t.jsonl",
+        [json.dumps({"timestamp": 0, "hash_ids": [1, 2]}), json.dumps({"timestamp": 1, "hash_ids": [1, -3]})],
+    )
     result = run_bench("hit_rate", trace)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["hit_blocks"] == 1

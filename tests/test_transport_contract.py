@@ -48,18 +48,44 @@ def node(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"node-{request.param}")
     unix_path = str(tmp / "dp.sock")
     if request.param == "in-process":
-        store = BlockStore(StoreConfig(dram_capacity=DRAM, ssd_path=str(tmp / "ssd"), ssd_capacity=SSD,
-                                       max_block_bytes=MAX_BLOCK, namespaces=frozenset(NAMESPACES)))
+        store = BlockStore(
+            StoreConfig(
+                dram_capacity=DRAM,
+                ssd_path=str(tmp / "ssd"),
+                ssd_capacity=SSD,
+                max_block_bytes=MAX_BLOCK,
+                namespaces=frozenset(NAMESPACES),
+            )
+        )
         server = DataPlaneServer(store, unix_path=unix_path, max_frame_bytes=MAX_FRAME).start()
         yield Node(server.address, unix_path, store)
         server.stop()
         store.close()
         return
     proc = subprocess.Popen(
-        [sys.executable, str(NODE_SCRIPT), "--unix", unix_path, "--ssd-path", str(tmp / "ssd"), "--dram", str(DRAM),
-         "--ssd", str(SSD), "--max-block", str(MAX_BLOCK), "--max-frame", str(MAX_FRAME),
-         "--namespaces", ",".join(NAMESPACES), "--no-promote"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            str(NODE_SCRIPT),
+            "--unix",
+            unix_path,
+            "--ssd-path",
+            str(tmp / "ssd"),
+            "--dram",
+            str(DRAM),
+            "--ssd",
+            str(SSD),
+            "--max-block",
+            str(MAX_BLOCK),
+            "--max-frame",
+            str(MAX_FRAME),
+            "--namespaces",
+            ",".join(NAMESPACES),
+            "--no-promote",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         ready = json.loads(proc.stdout.readline())
         yield Node(ready["address"], ready["unix_path"], None)

@@ -54,8 +54,9 @@ MAX_BLOCK = 2 * MiB
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
-    store = BlockStore(StoreConfig(dram_capacity=32 * MiB, ssd_path=str(tmp / "ssd"), ssd_capacity=64 * MiB,
-                                   max_block_bytes=MAX_BLOCK))
+    store = BlockStore(
+        StoreConfig(dram_capacity=32 * MiB, ssd_path=str(tmp / "ssd"), ssd_capacity=64 * MiB, max_block_bytes=MAX_BLOCK)
+    )
     server = DataPlaneServer(store, unix_path=str(tmp / "dp.sock"), max_frame_bytes=8 * MiB).start()
     yield server
     server.stop()
@@ -321,8 +322,9 @@ def test_reserve_with_regrant_makes_a_grant_that_a_store_names(server):
         assert store.stats()["dram"]["used"] == used + 16 * KiB + 32 * KiB and not store.exists(ignored)
         for (_, offset), v in zip(granted, values):
             store.dram.arena.view[offset : offset + len(v)] = v
-        table = U64.pack(grant) + b"".join(put_entry(k, 0, len(v), xxhash.xxh3_64_intdigest(v))
-                                           for k, v in zip((first, second), values))
+        table = U64.pack(grant) + b"".join(
+            put_entry(k, 0, len(v), xxhash.xxh3_64_intdigest(v)) for k, v in zip((first, second), values)
+        )
         sock.sendall(pack_header(Op.STORE, 2, 2, len(table)) + table)
         assert read_reply(sock)[4] == bytes([Status.OK, Status.OK])
         assert [store.get(first), store.get(second)] == values and not store.exists(ignored)
@@ -383,16 +385,21 @@ def test_a_grant_cannot_be_committed_without_keys_and_abort_needs_no_reply(serve
         reservation, grant, _ = grant_by_aborting(sock, key("to-abort"), len(value))
         sock.sendall(pack_header(Op.COMMIT, 3, 1, 16) + U64.pack(grant) + bytes(8))  # a grant names no key
         assert read_reply(sock)[4] == bytes([Status.INVALID_KEY])
-        sock.sendall(pack_header(Op.COMMIT, 4, 1, 16, flags=FLAG_ABORT | FLAG_REGRANT) + U64.pack(reservation)
-                     + bytes(8))
+        sock.sendall(
+            pack_header(Op.COMMIT, 4, 1, 16, flags=FLAG_ABORT | FLAG_REGRANT) + U64.pack(reservation) + bytes(8)
+        )
         expect_error_and_close(sock, Status.UNKNOWN_LEASE)
     wait_until(lambda: no_connections(server))
     assert store.stats()["dram"]["used"] == used
     with same_host(server) as sock:  # ABORT with NO_REPLY: the next reply is the PING's
         sock.sendall(pack_header(Op.RESERVE, 1, 1, len(entry)) + entry)
         reservation = U64.unpack_from(read_reply(sock)[4])[0]
-        sock.sendall(pack_header(Op.COMMIT, 2, 1, 16, flags=FLAG_ABORT | FLAG_NO_REPLY) + U64.pack(reservation)
-                     + bytes(8) + pack_header(Op.PING, 3, 0, 0))
+        sock.sendall(
+            pack_header(Op.COMMIT, 2, 1, 16, flags=FLAG_ABORT | FLAG_NO_REPLY)
+            + U64.pack(reservation)
+            + bytes(8)
+            + pack_header(Op.PING, 3, 0, 0)
+        )
         assert read_reply(sock)[:3] == (Op.PING, Status.OK, 3)
         assert store.stats()["dram"]["used"] == used
 
@@ -400,8 +407,7 @@ def test_a_grant_cannot_be_committed_without_keys_and_abort_needs_no_reply(serve
 def test_refused_items_are_drained_and_the_stream_stays_in_sync(server):
     big, empty, ok = key("too-big"), key("empty"), key("fine")
     payloads = [b"x" * (MAX_BLOCK + 1), b"", b"fine"]
-    table = b"".join(put_entry(k, 0, len(p), xxhash.xxh3_64_intdigest(p))
-                     for k, p in zip([big, empty, ok], payloads))
+    table = b"".join(put_entry(k, 0, len(p), xxhash.xxh3_64_intdigest(p)) for k, p in zip([big, empty, ok], payloads))
     bad_sum = put_entry(key("damaged"), 0, 4, 12345)
     with raw(server) as sock:
         sock.sendall(pack_header(Op.PUT, 1, 3, len(table) + sum(map(len, payloads))) + table + b"".join(payloads))
@@ -441,8 +447,13 @@ def test_checksums_after_the_payloads_publish_only_what_they_match(server):
         wait_until(lambda: store.stats()["dram"]["used"] >= 128 * KiB)  # both received (the third refused)...
         assert not store.exists(good) and not store.exists(bad)  # ...and neither published yet
         sock.sendall(trailer)
-        assert read_reply(sock) == (Op.PUT, Status.OK, 1, 3,
-                                    bytes([Status.OK, Status.CHECKSUM_MISMATCH, Status.INVALID_VALUE]))
+        assert read_reply(sock) == (
+            Op.PUT,
+            Status.OK,
+            1,
+            3,
+            bytes([Status.OK, Status.CHECKSUM_MISMATCH, Status.INVALID_VALUE]),
+        )
     assert store.get(good) == payloads[0] and not store.exists(bad) and not store.exists(big)
     store.remove(good)
 
@@ -455,8 +466,12 @@ def test_checksums_after_the_payloads_cut_off_or_miscounted_store_nothing(server
     payload = b"c" * (256 * KiB)
     table = put_entry(k, 0, len(payload), 0)
     with raw(server) as sock:  # the payload whole, the checksum cut in half
-        sock.sendall(pack_header(Op.PUT, 1, 1, len(table) + len(payload) + 8, flags=FLAG_CHECKSUMS_LAST)
-                     + table + payload + U64.pack(xxhash.xxh3_64_intdigest(payload))[:4])
+        sock.sendall(
+            pack_header(Op.PUT, 1, 1, len(table) + len(payload) + 8, flags=FLAG_CHECKSUMS_LAST)
+            + table
+            + payload
+            + U64.pack(xxhash.xxh3_64_intdigest(payload))[:4]
+        )
         wait_until(lambda: store.stats()["dram"]["used"] > used)
     wait_until(lambda: no_connections(server))
     assert not store.exists(k) and store.stats()["dram"]["used"] == used
@@ -470,8 +485,12 @@ def test_pipelined_requests_are_answered_in_order(server):
     k = key("pipelined")
     server.store.put(k, b"pipelined value")
     with raw(server) as sock:
-        sock.sendall(pack_header(Op.PING, 10, 0, 0) + keys_frame(Op.EXISTS, [k, key("nope")], 11)
-                     + keys_frame(Op.GET, [k], 12) + pack_header(Op.PING, 13, 0, 0))
+        sock.sendall(
+            pack_header(Op.PING, 10, 0, 0)
+            + keys_frame(Op.EXISTS, [k, key("nope")], 11)
+            + keys_frame(Op.GET, [k], 12)
+            + pack_header(Op.PING, 13, 0, 0)
+        )
         assert read_reply(sock)[:3] == (Op.PING, Status.OK, 10)
         assert read_reply(sock)[2:] == (11, 2, bytes([Status.OK, Status.NOT_FOUND]))
         op, status, rid, count, body = read_reply(sock)
@@ -602,13 +621,17 @@ def test_client_rejects_damaged_bytes_and_broken_replies(size):
     table = GET_ITEM.pack(Status.OK, len(data), xxhash.xxh3_64_intdigest(good))
     damaged = lambda op, rid: pack_header(op, rid, 1, len(table) + len(data), flags=1) + table + data  # noqa: E731
     seen = []
-    node = FakeNode([
-        damaged,
-        lambda op, rid: seen.append(op) or pack_header(op, rid, 1, 1, flags=1) + bytes([Status.OK]),  # VERIFY: intact
-        damaged,  # so it was damaged on the way: read once more, damaged again
-        lambda op, rid: pack_header(op, rid, 0, 0, flags=1),
-        lambda op, rid: pack_header(op, rid + 1, 0, 0, flags=1),  # answers the wrong request
-    ])
+    node = FakeNode(
+        [
+            damaged,
+            lambda op, rid: (
+                seen.append(op) or pack_header(op, rid, 1, 1, flags=1) + bytes([Status.OK])
+            ),  # VERIFY: intact
+            damaged,  # so it was damaged on the way: read once more, damaged again
+            lambda op, rid: pack_header(op, rid, 0, 0, flags=1),
+            lambda op, rid: pack_header(op, rid + 1, 0, 0, flags=1),  # answers the wrong request
+        ]
+    )
     conn = TcpConnection(node.address)
     with pytest.raises(ChecksumMismatch):
         conn.get_into(key("k"), bytearray(size + 200))
@@ -625,8 +648,10 @@ def test_client_rejects_damaged_bytes_and_broken_replies(size):
 def test_a_node_that_hangs_up_mid_block_is_a_transport_error(size):
     payload = os.urandom(size)
     table = GET_ITEM.pack(Status.OK, size, xxhash.xxh3_64_intdigest(payload))
-    node = FakeNode([lambda op, rid: pack_header(op, rid, 1, len(table) + size, flags=1) + table
-                     + payload[: size // 2]], hang_up=True)
+    node = FakeNode(
+        [lambda op, rid: pack_header(op, rid, 1, len(table) + size, flags=1) + table + payload[: size // 2]],
+        hang_up=True,
+    )
     conn = TcpConnection(node.address)
     with pytest.raises(TransportError, match="mid-frame"):
         conn.get_into(key("k"), bytearray(size))
@@ -635,8 +660,9 @@ def test_a_node_that_hangs_up_mid_block_is_a_transport_error(size):
 
 def test_client_maps_error_frames():
     message = b"no such thing"
-    node = FakeNode([lambda op, rid: pack_header(Op.ERROR, rid, 0, len(message), status=Status.UNKNOWN_LEASE,
-                                                 flags=1) + message])
+    node = FakeNode(
+        [lambda op, rid: pack_header(Op.ERROR, rid, 0, len(message), status=Status.UNKNOWN_LEASE, flags=1) + message]
+    )
     conn = TcpConnection(node.address)
     with pytest.raises(ProtocolError, match="no such thing") as info:
         conn.exists(key("k"))

@@ -57,10 +57,34 @@ class NodeProcess:
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         with open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvstore.cli", "node", "--master", master, "--port", "0", "--metrics-port",
-                 "-1", "--data-dir", str(tmp_path / "data"), "--dram", f"{DRAM // MiB}MiB", "--ssd", "0",
-                 "--max-block", f"{MAX_BLOCK // MiB}MiB", *flags, "--json"],
-                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "kvstore.cli",
+                    "node",
+                    "--master",
+                    master,
+                    "--port",
+                    "0",
+                    "--metrics-port",
+                    "-1",
+                    "--data-dir",
+                    str(tmp_path / "data"),
+                    "--dram",
+                    f"{DRAM // MiB}MiB",
+                    "--ssd",
+                    "0",
+                    "--max-block",
+                    f"{MAX_BLOCK // MiB}MiB",
+                    *flags,
+                    "--json",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
         import json
 
         line = self.proc.stdout.readline()
@@ -244,8 +268,9 @@ def test_a_table_past_max_table_bytes_is_refused_at_once(node):
 
 # -- same-host ops ------------------------------------------------------------------------------
 def reserve_frame(request_id: int, sizes: list[int], flags: int = 0, name: str = "r") -> bytes:
-    table = b"".join(RESERVE_ENTRY.pack(2, 16, 0, size) + b"ns" + key(f"{name}{request_id}-{i}")[1]
-                     for i, size in enumerate(sizes))
+    table = b"".join(
+        RESERVE_ENTRY.pack(2, 16, 0, size) + b"ns" + key(f"{name}{request_id}-{i}")[1] for i, size in enumerate(sizes)
+    )
     return pack_header(Op.RESERVE, request_id, len(sizes), len(table), flags=flags) + table
 
 
@@ -254,7 +279,8 @@ def test_ops_that_hold_node_memory_are_refused_over_tcp(node, op):
     frames = {
         "RESERVE": reserve_frame(1, [MiB]),
         "COMMIT": pack_header(Op.COMMIT, 1, 1, 16, flags=FLAG_REGRANT) + bytes(16),
-        "STORE": pack_header(Op.STORE, 1, 1, 8 + PUT_ENTRY.size + 18, flags=FLAG_REGRANT) + bytes(8)
+        "STORE": pack_header(Op.STORE, 1, 1, 8 + PUT_ENTRY.size + 18, flags=FLAG_REGRANT)
+        + bytes(8)
         + put_entry(key("s"), 0, MiB, 0),
         "LEASE": pack_header(Op.LEASE, 1, 1, len(key_entry(key("l")))) + key_entry(key("l")),
     }
@@ -466,6 +492,7 @@ def test_a_connection_over_the_cap_is_refused_typed(capped_node):
     finally:
         held.pop().close()
     try:
+
         def admitted():
             try:
                 with TcpConnection(small_node.address) as conn:

@@ -21,8 +21,9 @@ MiB = 1 << 20
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "length_aware"])
 def test_a_put_frame_keeps_its_own_fresh_blocks_while_others_read(policy):
-    store = BlockStore(StoreConfig(dram_capacity=4 * MiB, max_block_bytes=MiB, policy=policy, granule=MiB,
-                                   background_eviction=False))
+    store = BlockStore(
+        StoreConfig(dram_capacity=4 * MiB, max_block_bytes=MiB, policy=policy, granule=MiB, background_eviction=False)
+    )
     server = DataPlaneServer(store).start()
     try:
         reader = TcpConnection(server.address)
@@ -31,8 +32,9 @@ def test_a_put_frame_keeps_its_own_fresh_blocks_while_others_read(policy):
         reader.get_many(old)  # read once: hits the frame's fresh blocks do not have
         fresh = [("ns", b"new%d" % i) for i in range(3)]
         values = [bytes([i + 1]) * MiB for i in range(3)]
-        table = b"".join(put_entry(k, depth, MiB, xxhash.xxh3_64_intdigest(v))
-                         for depth, (k, v) in enumerate(zip(fresh, values)))
+        table = b"".join(
+            put_entry(k, depth, MiB, xxhash.xxh3_64_intdigest(v)) for depth, (k, v) in enumerate(zip(fresh, values))
+        )
         host, port = server.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as writer:
             writer.sendall(pack_header(Op.PUT, 7, 3, len(table) + 3 * MiB) + table)

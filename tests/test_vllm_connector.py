@@ -24,8 +24,9 @@ LOGPROB_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    return make_llama(str(tmp_path_factory.mktemp("llama")), hidden=128, layers=2, heads=4, kv_heads=2,
-                      max_positions=4096)
+    return make_llama(
+        str(tmp_path_factory.mktemp("llama")), hidden=128, layers=2, heads=4, kv_heads=2, max_positions=4096
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,17 @@ class Engines:
     def __init__(self, model: str, log_dir):
         self.model, self.log_dir, self.started = model, log_dir, []
 
-    def start(self, *, dtype: str = "float32", block_size: int = 32, master: str | None = None,
-              namespace: str | None = None, role: str = "kv_both", env: dict | None = None,
-              extra_args: tuple = ()) -> EngineProcess:
+    def start(
+        self,
+        *,
+        dtype: str = "float32",
+        block_size: int = 32,
+        master: str | None = None,
+        namespace: str | None = None,
+        role: str = "kv_both",
+        env: dict | None = None,
+        extra_args: tuple = (),
+    ) -> EngineProcess:
         args = ["--model", self.model, "--dtype", dtype, "--block-size", str(block_size), *extra_args]
         if master:
             args += ["--master", master, "--role", role]
@@ -100,10 +109,15 @@ def locally_cached(prompt: list[int], block_size: int) -> int:
 # every block size in fp32, and bf16 once (each case starts two engines: CI time is the limit).
 # bf16 (what GPU engines run) in the default suite; the fp32 cases with -m slow, to keep CI short
 # (the other tests of this file run fp32 engines).
-@pytest.mark.parametrize("dtype,block_size", [pytest.param("float32", 32, marks=pytest.mark.slow),
-                                              pytest.param("float32", 64, marks=pytest.mark.slow),
-                                              pytest.param("float32", 128, marks=pytest.mark.slow),
-                                              ("bfloat16", 64)])
+@pytest.mark.parametrize(
+    "dtype,block_size",
+    [
+        pytest.param("float32", 32, marks=pytest.mark.slow),
+        pytest.param("float32", 64, marks=pytest.mark.slow),
+        pytest.param("float32", 128, marks=pytest.mark.slow),
+        ("bfloat16", 64),
+    ],
+)
 def test_a_fresh_engine_loads_the_prefix_another_engine_stored(engines, pool, dtype, block_size):
     want = reference(engines, dtype)
     namespace = f"fresh-{dtype}-{block_size}"
@@ -138,7 +152,9 @@ def test_tensor_parallel_ranks_store_and_load_their_own_heads(engines, pool):
     with engines.start(master=pool["address"], namespace="tp", env=env, extra_args=tp2) as producer:
         producer.ask(JOB)
     with Client(pool["address"]) as client:
-        assert len([ns for ns in client.list_keys(limit=1).namespaces if ns.startswith("tp/")]) == 2 * 2  # ranks x layers
+        assert (
+            len([ns for ns in client.list_keys(limit=1).namespaces if ns.startswith("tp/")]) == 2 * 2
+        )  # ranks x layers
     with engines.start(master=pool["address"], namespace="tp", env=env, extra_args=tp2) as consumer:
         loaded = consumer.ask(JOB)
     assert [o["cached"] for o in loaded["outputs"]] == [loadable(p, 32) for p in PROMPTS]
@@ -148,8 +164,9 @@ def test_tensor_parallel_ranks_store_and_load_their_own_heads(engines, pool):
 def both_at_once(*calls) -> list:
     """Run ``calls`` in threads of their own at the same time; their results, in order."""
     results: list = [None] * len(calls)
-    threads = [threading.Thread(target=lambda i=i, call=call: results.__setitem__(i, call()))
-               for i, call in enumerate(calls)]
+    threads = [
+        threading.Thread(target=lambda i=i, call=call: results.__setitem__(i, call())) for i, call in enumerate(calls)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -180,8 +197,9 @@ def test_blocks_lost_between_lookup_and_load_are_recomputed(engines, pool):
     with engines.start(master=pool["address"], namespace="lost") as producer:
         producer.ask(JOB)
     with Client(pool["address"]) as client:
-        first_layer = [ns for ns in client.list_keys(limit=1).namespaces
-                       if ns.startswith("lost/") and ns.endswith("/layer0")]
+        first_layer = [
+            ns for ns in client.list_keys(limit=1).namespaces if ns.startswith("lost/") and ns.endswith("/layer0")
+        ]
         assert len(first_layer) == 1
         keys = [(k.namespace, k.digest) for k in client.list_keys(first_layer[0], limit=100000).keys]
         assert len(keys) == sum(len(p) // 32 for p in PROMPTS)
@@ -256,19 +274,23 @@ def configs(*, mla=False, pp=1, dcp=1, algo="sha256", specs=None):
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(use_mla=mla),
         parallel_config=SimpleNamespace(pipeline_parallel_size=pp, decode_context_parallel_size=dcp),
-        cache_config=SimpleNamespace(prefix_caching_hash_algo=algo))
+        cache_config=SimpleNamespace(prefix_caching_hash_algo=algo),
+    )
     groups = [SimpleNamespace(kv_cache_spec=s, layer_names=["a"]) for s in (specs or [full])]
     return vllm_config, SimpleNamespace(kv_cache_groups=groups)
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"mla": True}, "MLA"),
-    ({"pp": 2}, "pipeline parallelism"),
-    ({"dcp": 2}, "decode context parallelism"),
-    ({"algo": "xxhash_cbor"}, "PYTHONHASHSEED"),
-    ({"specs": "two groups"}, "all full attention"),
-    ({"specs": "sliding window"}, "all full attention"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"mla": True}, "MLA"),
+        ({"pp": 2}, "pipeline parallelism"),
+        ({"dcp": 2}, "decode context parallelism"),
+        ({"algo": "xxhash_cbor"}, "PYTHONHASHSEED"),
+        ({"specs": "two groups"}, "all full attention"),
+        ({"specs": "sliding window"}, "all full attention"),
+    ],
+)
 def test_what_the_connector_does_not_support_fails_at_start(monkeypatch, change, message):
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
@@ -281,8 +303,11 @@ def test_what_the_connector_does_not_support_fails_at_start(monkeypatch, change,
     if change.get("specs") == "two groups":
         change = {"specs": [full, full]}
     elif change.get("specs") == "sliding window":
-        change = {"specs": [SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32,
-                                              sliding_window=128)]}
+        change = {
+            "specs": [
+                SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=128)
+            ]
+        }
     vllm_config, kv_cache_config = configs(**change)
     with pytest.raises(ConfigError, match=message):
         check_supported(vllm_config, kv_cache_config)

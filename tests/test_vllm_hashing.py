@@ -26,39 +26,102 @@ XX_NONE, XXCBOR_NONE = "6fb31cc38bba6066183f7f2104b9c051", "1ebe36576dcb573f26b9
 
 # (algo, seed, block_size, tokens, (lora_name, lora_path) | None, cache_salt, NONE_HASH, block hashes)
 VECTORS = {
-    "sha256": ("sha256", None, 16, list(range(40)), None, None, SHA_NONE, [
-        "fe8fa5dda3210d0ca2031e37cbe3b001186773cd1c710beb2d45fcb51d434798",
-        "8be7aaa33831156d316f1f463ae57e643deb63f42e633e2d631df88815cc4629",
-    ]),
-    "sha256-lora-salt": ("sha256", None, 4, MIXED, SQL, "tenant-a", SHA_NONE, [
-        "f3c31743667ad9c0deb536d316e46d65770017e759a9973faeb8513632dd8d35",
-        "7b50cf6a70816bf4795cb1e4654f50a5a20e4883fb4de33847dd0fbac3a77f59",
-        "6614796ee1e7f37edba00539c1b941048fb2a25a56eddd734b8a6c5cfb22cfb0",
-    ]),
+    "sha256": (
+        "sha256",
+        None,
+        16,
+        list(range(40)),
+        None,
+        None,
+        SHA_NONE,
+        [
+            "fe8fa5dda3210d0ca2031e37cbe3b001186773cd1c710beb2d45fcb51d434798",
+            "8be7aaa33831156d316f1f463ae57e643deb63f42e633e2d631df88815cc4629",
+        ],
+    ),
+    "sha256-lora-salt": (
+        "sha256",
+        None,
+        4,
+        MIXED,
+        SQL,
+        "tenant-a",
+        SHA_NONE,
+        [
+            "f3c31743667ad9c0deb536d316e46d65770017e759a9973faeb8513632dd8d35",
+            "7b50cf6a70816bf4795cb1e4654f50a5a20e4883fb4de33847dd0fbac3a77f59",
+            "6614796ee1e7f37edba00539c1b941048fb2a25a56eddd734b8a6c5cfb22cfb0",
+        ],
+    ),
     # lora_name == lora_path: pickle would back-reference one shared str object.
-    "sha256-lora-name-is-path": ("sha256", None, 4, [5] * 8, ("same", "same"), None, SHA_NONE, [
-        "7a76a0135e2753f4fb83cc066167f52cfd5fdcd0529b013b72299145223a06d2",
-        "4c7664a16bbc8ab3b4721b6fccb89fb244a6c391eb61c05437ca24f99d90fd41",
-    ]),
-    "sha256_cbor": ("sha256_cbor", None, 16, list(range(40)), None, None, CBOR_NONE, [
-        "dc918a88b139e5afe60b88eda27508d4aee16c10fdc354791efea06206ac0749",
-        "c300ec275d7bf08af8fc63e76cdc0086911bbc7091e03c5cf892553bef84ef0c",
-    ]),
-    "sha256_cbor-lora-salt": ("sha256_cbor", None, 4, MIXED, SQL, "tenant-a", CBOR_NONE, [
-        "9420d3312078b329b727a3a340fed5ffa1d4f77dbe849e9e0dbef1b6b528f183",
-        "a853ab847ef04742028753a76c2939acdb1e1a8a0b7ea000bc7eb64687b083a1",
-        "4050e1fa489733508ab010829f54c6e08a18de73dffe045be7adbb076a705181",
-    ]),
-    "xxhash-seed0-lora-salt": ("xxhash", "0", 4, MIXED, SQL, "tenant-a", XX_NONE, [
-        "5feda31239939870d9978c36c2e2fdd5",
-        "c6ceb665ff9a7e38ad0dbe5754c8af5c",
-        "b43a8846a43ef919d5cc0256baea02d2",
-    ]),
-    "xxhash_cbor-seed0-lora-salt": ("xxhash_cbor", "0", 4, MIXED, SQL, "tenant-a", XXCBOR_NONE, [
-        "8118e11e53d13e22a823eccfdf12308a",
-        "0252e37583ebbc14dca227b2daccacc4",
-        "d0234e95469ac6fbfcbfcbd9f5d5d3a3",
-    ]),
+    "sha256-lora-name-is-path": (
+        "sha256",
+        None,
+        4,
+        [5] * 8,
+        ("same", "same"),
+        None,
+        SHA_NONE,
+        [
+            "7a76a0135e2753f4fb83cc066167f52cfd5fdcd0529b013b72299145223a06d2",
+            "4c7664a16bbc8ab3b4721b6fccb89fb244a6c391eb61c05437ca24f99d90fd41",
+        ],
+    ),
+    "sha256_cbor": (
+        "sha256_cbor",
+        None,
+        16,
+        list(range(40)),
+        None,
+        None,
+        CBOR_NONE,
+        [
+            "dc918a88b139e5afe60b88eda27508d4aee16c10fdc354791efea06206ac0749",
+            "c300ec275d7bf08af8fc63e76cdc0086911bbc7091e03c5cf892553bef84ef0c",
+        ],
+    ),
+    "sha256_cbor-lora-salt": (
+        "sha256_cbor",
+        None,
+        4,
+        MIXED,
+        SQL,
+        "tenant-a",
+        CBOR_NONE,
+        [
+            "9420d3312078b329b727a3a340fed5ffa1d4f77dbe849e9e0dbef1b6b528f183",
+            "a853ab847ef04742028753a76c2939acdb1e1a8a0b7ea000bc7eb64687b083a1",
+            "4050e1fa489733508ab010829f54c6e08a18de73dffe045be7adbb076a705181",
+        ],
+    ),
+    "xxhash-seed0-lora-salt": (
+        "xxhash",
+        "0",
+        4,
+        MIXED,
+        SQL,
+        "tenant-a",
+        XX_NONE,
+        [
+            "5feda31239939870d9978c36c2e2fdd5",
+            "c6ceb665ff9a7e38ad0dbe5754c8af5c",
+            "b43a8846a43ef919d5cc0256baea02d2",
+        ],
+    ),
+    "xxhash_cbor-seed0-lora-salt": (
+        "xxhash_cbor",
+        "0",
+        4,
+        MIXED,
+        SQL,
+        "tenant-a",
+        XXCBOR_NONE,
+        [
+            "8118e11e53d13e22a823eccfdf12308a",
+            "0252e37583ebbc14dca227b2daccacc4",
+            "d0234e95469ac6fbfcbfcbd9f5d5d3a3",
+        ],
+    ),
 }
 
 

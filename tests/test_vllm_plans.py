@@ -122,8 +122,18 @@ def test_unknown_requests_in_a_step_are_ignored():
     assert plans().step([("x", [1], 0)], [("y", [2], False, 0)], {"x": 4, "y": 4}).saves == []
 
 
-LAYOUT = KVLayout(model="/models/Llama-3-8B/", revision="", kv_dtype="torch.bfloat16/auto", block_size=16,
-                  num_kv_heads=8, head_size=128, num_layers=3, tp_size=2, device="cpu", hash_algo="sha256")
+LAYOUT = KVLayout(
+    model="/models/Llama-3-8B/",
+    revision="",
+    kv_dtype="torch.bfloat16/auto",
+    block_size=16,
+    num_kv_heads=8,
+    head_size=128,
+    num_layers=3,
+    tp_size=2,
+    device="cpu",
+    hash_algo="sha256",
+)
 
 
 def test_each_layer_and_rank_has_its_own_namespace_and_hashes_are_the_digests():
@@ -134,14 +144,27 @@ def test_each_layer_and_rank_has_its_own_namespace_and_hashes_are_the_digests():
     assert rank0.last_layer == 2
 
 
-@pytest.mark.parametrize("field,value", [("model", "other"), ("revision", "main"), ("kv_dtype", "torch.float32/auto"),
-                                         ("block_size", 32), ("num_kv_heads", 4), ("head_size", 64),
-                                         ("num_layers", 4), ("tp_size", 1), ("device", "cuda"),
-                                         ("hash_algo", "sha256_cbor")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model", "other"),
+        ("revision", "main"),
+        ("kv_dtype", "torch.float32/auto"),
+        ("block_size", 32),
+        ("num_kv_heads", 4),
+        ("head_size", 64),
+        ("num_layers", 4),
+        ("tp_size", 1),
+        ("device", "cuda"),
+        ("hash_algo", "sha256_cbor"),
+    ],
+)
 def test_anything_that_changes_the_bytes_changes_the_namespace(field, value):
     from dataclasses import replace
 
-    assert PoolNaming("vllm", replace(LAYOUT, **{field: value})).namespaces[0] != PoolNaming("vllm", LAYOUT).namespaces[0]
+    assert (
+        PoolNaming("vllm", replace(LAYOUT, **{field: value})).namespaces[0] != PoolNaming("vllm", LAYOUT).namespaces[0]
+    )
 
 
 def test_model_tags_are_short_and_tame():
@@ -158,17 +181,20 @@ def test_settings_from_the_extra_config():
     assert read_settings({"master": "h:1", "load": False}, "kv_both").load is False
 
 
-@pytest.mark.parametrize("extra,role,message", [
-    ({}, "kv_both", "needs 'master'"),
-    ({"master": "nohostport"}, "kv_both", "needs 'master'"),
-    ({"master": "h:1", "colour": "red"}, "kv_both", "unknown kv_connector_extra_config keys"),
-    ({"master": "h:1", "load": "maybe"}, "kv_both", "must be true or false"),
-    ({"master": "h:1", "namespace": "a/b"}, "kv_both", "may not contain '/'"),
-    ({"master": "h:1", "namespace": ""}, "kv_both", "namespace"),
-    ({"master": "h:1", "timeout": "soon"}, "kv_both", "must be a number"),
-    ({"master": "h:1", "timeout": 0}, "kv_both", "must be positive"),
-    ({"master": "h:1"}, None, "kv_role must be"),
-])
+@pytest.mark.parametrize(
+    "extra,role,message",
+    [
+        ({}, "kv_both", "needs 'master'"),
+        ({"master": "nohostport"}, "kv_both", "needs 'master'"),
+        ({"master": "h:1", "colour": "red"}, "kv_both", "unknown kv_connector_extra_config keys"),
+        ({"master": "h:1", "load": "maybe"}, "kv_both", "must be true or false"),
+        ({"master": "h:1", "namespace": "a/b"}, "kv_both", "may not contain '/'"),
+        ({"master": "h:1", "namespace": ""}, "kv_both", "namespace"),
+        ({"master": "h:1", "timeout": "soon"}, "kv_both", "must be a number"),
+        ({"master": "h:1", "timeout": 0}, "kv_both", "must be positive"),
+        ({"master": "h:1"}, None, "kv_role must be"),
+    ],
+)
 def test_unusable_settings_are_config_errors(extra, role, message):
     with pytest.raises(ConfigError, match=message):
         read_settings(extra, role)

@@ -14,8 +14,27 @@ def test_the_reuse_benchmark_runs_small(capsys, monkeypatch):
     from bench import vllm_reuse
 
     monkeypatch.setenv("KVSTORE_LMCACHE_PYTHON", "/nonexistent")  # LMCache's side is its own environment
-    vllm_reuse.main(["--hidden", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--lengths", "96,160",
-                     "--block-size", "32", "--runs", "1", "--kv-cache-bytes", str(256 << 20), "--json"])
+    vllm_reuse.main(
+        [
+            "--hidden",
+            "128",
+            "--layers",
+            "2",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--lengths",
+            "96,160",
+            "--block-size",
+            "32",
+            "--runs",
+            "1",
+            "--kv-cache-bytes",
+            str(256 << 20),
+            "--json",
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
     rows = {r["prompt_tokens"]: r for r in result["ttft"]}
     assert rows[96]["consumer_cached_tokens"] == 95  # three full blocks: all load, vLLM computes one token

@@ -26,8 +26,18 @@ def pool(tmp_path_factory):
 
 
 def naming(tag: str) -> PoolNaming:
-    layout = KVLayout(model=tag, revision="", kv_dtype="float32", block_size=4, num_kv_heads=2, head_size=8,
-                      num_layers=LAYERS, tp_size=1, device="cpu", hash_algo="sha256")
+    layout = KVLayout(
+        model=tag,
+        revision="",
+        kv_dtype="float32",
+        block_size=4,
+        num_kv_heads=2,
+        head_size=8,
+        num_layers=LAYERS,
+        tp_size=1,
+        device="cpu",
+        hash_algo="sha256",
+    )
     return PoolNaming("test", layout)
 
 

@@ -17,8 +17,14 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-OUTPUTS = ("kvstore_pb2.py", "kvstore_pb2_grpc.py", "kvstore_pb2.pyi",
-           "etcd/kv_pb2.py", "etcd/rpc_pb2.py", "etcd/rpc_pb2_grpc.py")
+OUTPUTS = (
+    "kvstore_pb2.py",
+    "kvstore_pb2_grpc.py",
+    "kvstore_pb2.pyi",
+    "etcd/kv_pb2.py",
+    "etcd/rpc_pb2.py",
+    "etcd/rpc_pb2_grpc.py",
+)
 
 
 def proto_dir() -> Path:
@@ -32,24 +38,41 @@ def generate(out_dir: Path) -> None:
     from grpc_tools import protoc
 
     src = proto_dir()
-    args = ["protoc", f"-I{src}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", str(src / "kvstore.proto")]
+    args = [
+        "protoc",
+        f"-I{src}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        str(src / "kvstore.proto"),
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     grpc_file = out_dir / "kvstore_pb2_grpc.py"  # generated code imports its sibling absolutely
-    grpc_file.write_text(grpc_file.read_text().replace(
-        "import kvstore_pb2 as kvstore__pb2", "from kvstore_client.proto import kvstore_pb2 as kvstore__pb2"))
+    grpc_file.write_text(
+        grpc_file.read_text().replace(
+            "import kvstore_pb2 as kvstore__pb2", "from kvstore_client.proto import kvstore_pb2 as kvstore__pb2"
+        )
+    )
     (out_dir / "etcd").mkdir(exist_ok=True)
-    args = ["protoc", f"-I{src}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}",
-            str(src / "etcd" / "kv.proto"), str(src / "etcd" / "rpc.proto")]
+    args = [
+        "protoc",
+        f"-I{src}",
+        f"--python_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        str(src / "etcd" / "kv.proto"),
+        str(src / "etcd" / "rpc.proto"),
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed (etcd)")
     (out_dir / "etcd" / "kv_pb2_grpc.py").unlink()  # kv.proto has no service
     for name in ("rpc_pb2.py", "rpc_pb2_grpc.py"):
         path = out_dir / "etcd" / name
-        path.write_text(path.read_text()
-                        .replace("from etcd import kv_pb2", "from kvstore_client.proto.etcd import kv_pb2")
-                        .replace("from etcd import rpc_pb2", "from kvstore_client.proto.etcd import rpc_pb2"))
+        path.write_text(
+            path.read_text()
+            .replace("from etcd import kv_pb2", "from kvstore_client.proto.etcd import kv_pb2")
+            .replace("from etcd import rpc_pb2", "from kvstore_client.proto.etcd import rpc_pb2")
+        )
 
 
 def main() -> None:

@@ -90,21 +90,26 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
         kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        raise ConfigError(f"KVStoreConnector supports models whose layers are all full attention, not {kinds} "
-                          "(hybrid, sliding-window and state-space models are not supported)")
+        raise ConfigError(
+            f"KVStoreConnector supports models whose layers are all full attention, not {kinds} "
+            "(hybrid, sliding-window and state-space models are not supported)"
+        )
     algo = vllm_config.cache_config.prefix_caching_hash_algo
     if algo in UNSEEDED_HASHES and os.environ.get("PYTHONHASHSEED") is None:
-        raise ConfigError(f"prefix_caching_hash_algo {algo!r} hashes with a random per-process seed unless "
-                          "PYTHONHASHSEED is set, so no other engine could find this one's blocks: set "
-                          "PYTHONHASHSEED to the same value on every engine, or use sha256")
+        raise ConfigError(
+            f"prefix_caching_hash_algo {algo!r} hashes with a random per-process seed unless "
+            "PYTHONHASHSEED is set, so no other engine could find this one's blocks: set "
+            "PYTHONHASHSEED to the same value on every engine, or use sha256"
+        )
     return groups[0].kv_cache_spec
 
 
 def expected_format(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", spec: FullAttentionSpec):
     """The block format this engine's KV caches store, from its resolved KV cache layout (the
     CPU backend's, LBHNC, when none is recorded; the workers check their tensors against it)."""
-    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(vllm_config.cache_config,
-                                                                      "kv_cache_layout", None)
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        vllm_config.cache_config, "kv_cache_layout", None
+    )
     return layout_format(name or "LBHNC", spec.num_kv_heads, spec.block_size, spec.head_size, str(spec.dtype))
 
 
@@ -117,21 +122,29 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._settings = read_settings(transfer_config.kv_connector_extra_config, transfer_config.kv_role)
         spec = check_supported(vllm_config, kv_cache_config)
         if self._settings.load and transfer_config.kv_load_failure_policy != "recompute":
-            log.warning("kvstore: kv_load_failure_policy is %r: a block evicted between lookup and load fails "
-                        "its request; set it to 'recompute' to recompute such blocks instead",
-                        transfer_config.kv_load_failure_policy)
+            log.warning(
+                "kvstore: kv_load_failure_policy is %r: a block evicted between lookup and load fails "
+                "its request; set it to 'recompute' to recompute such blocks instead",
+                transfer_config.kv_load_failure_policy,
+            )
         from vllm.platforms import current_platform
 
         self._spec = spec
         self._layer_names = layer_order(kv_cache_config.kv_cache_groups[0].layer_names)
         self._format = expected_format(vllm_config, kv_cache_config, spec)
         layout = KVLayout(
-            model=vllm_config.model_config.model, revision=vllm_config.model_config.revision or "",
-            kv_dtype=f"{spec.dtype}/{vllm_config.cache_config.cache_dtype}", block_size=spec.block_size,
-            num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, num_layers=len(self._layer_names),
-            tp_size=vllm_config.parallel_config.tensor_parallel_size, device=current_platform.device_type,
+            model=vllm_config.model_config.model,
+            revision=vllm_config.model_config.revision or "",
+            kv_dtype=f"{spec.dtype}/{vllm_config.cache_config.cache_dtype}",
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            num_layers=len(self._layer_names),
+            tp_size=vllm_config.parallel_config.tensor_parallel_size,
+            device=current_platform.device_type,
             hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
-            block_format="" if self._format.is_canonical() else self._format.name())
+            block_format="" if self._format.is_canonical() else self._format.name(),
+        )
         from kvstore_client.client import Client
 
         self._client = Client(self._settings.master, timeout=self._settings.timeout)
@@ -139,18 +152,27 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._transfers: LayerwiseTransfers | None = None  # worker side, once the KV caches exist
         if role == KVConnectorRole.SCHEDULER:
             self._naming = PoolNaming(self._settings.namespace, layout, tp_rank=0)
-            self._plans = RequestPlans(spec.block_size, load=self._settings.load, save=self._settings.save,
-                                       save_decode=self._settings.save_decode)
+            self._plans = RequestPlans(
+                spec.block_size,
+                load=self._settings.load,
+                save=self._settings.save,
+                save_decode=self._settings.save_decode,
+            )
             self._announcement = None
-            if self._settings.role is not None:   # join the conductor (kvstore_client.vllm.engines)
+            if self._settings.role is not None:  # join the conductor (kvstore_client.vllm.engines)
                 from kvstore_client.vllm.engines import EngineAnnouncement
 
                 self._announcement = EngineAnnouncement(
-                    self._client, self._settings, self._naming.namespaces[self._naming.last_layer],
-                    block_size=spec.block_size, hash_algo=layout.hash_algo,
-                    hash_seed=os.environ.get("PYTHONHASHSEED"), model=vllm_config.model_config.served_model_name
+                    self._client,
+                    self._settings,
+                    self._naming.namespaces[self._naming.last_layer],
+                    block_size=spec.block_size,
+                    hash_algo=layout.hash_algo,
+                    hash_seed=os.environ.get("PYTHONHASHSEED"),
+                    model=vllm_config.model_config.served_model_name
                     if isinstance(vllm_config.model_config.served_model_name, str)
-                    else vllm_config.model_config.model)
+                    else vllm_config.model_config.model,
+                )
                 self._announcement.start()
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -168,11 +190,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         for name in self._layer_names:
             tensor = kv_caches[name]
             if tensor.device.type not in ("cpu", "cuda"):
-                raise ConfigError(f"KVStoreConnector moves KV caches in host or CUDA memory; layer {name} is on "
-                                  f"{tensor.device}")
+                raise ConfigError(
+                    f"KVStoreConnector moves KV caches in host or CUDA memory; layer {name} is on {tensor.device}"
+                )
             family = identify(tensor.shape, self._num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size)
-            layouts.append(describe(family, tensor.shape, tensor.stride(), tensor.element_size(), str(spec.dtype),
-                                    spec.head_size))
+            layouts.append(
+                describe(family, tensor.shape, tensor.stride(), tensor.element_size(), str(spec.dtype), spec.head_size)
+            )
             layers.append(tensor)
         self._transfers = LayerwiseTransfers(self._client, self._naming, layers, layouts, block_format=self._format)
 
@@ -236,8 +260,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         return found
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        self._plans.allocated(request.request_id, request.block_hashes, request.num_prompt_tokens,
-                              num_external_tokens)
+        self._plans.allocated(request.request_id, request.block_hashes, request.num_prompt_tokens, num_external_tokens)
         if self._announcement is not None:
             self._announcement.tracker.allocated(request)
 
@@ -245,8 +268,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         new = [(r.req_id, r.block_ids[0], r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         resumed = cached.resumed_req_ids
-        changed = [(req_id, None if ids is None else ids[0], req_id in resumed, computed)
-                   for req_id, ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)]
+        changed = [
+            (req_id, None if ids is None else ids[0], req_id in resumed, computed)
+            for req_id, ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)
+        ]
         speculative = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
         plan = self._plans.step(new, changed, scheduler_output.num_scheduled_tokens, speculative)
         return KVStoreConnectorMetadata(plan)

@@ -41,7 +41,7 @@ from kvstore_client.errors import InvalidValue, KVStoreError
 
 log = logging.getLogger(__name__)
 
-RECORDS = "engines"   # the records' namespace under the connector's namespace
+RECORDS = "engines"  # the records' namespace under the connector's namespace
 #: in the conductor's INVALID_ARGUMENT answer to a report from an engine it does not know
 #: (kvstore.scheduler.conductor.Conductor.report_load): the reporter registers again
 UNKNOWN_ENGINE = "unknown engine"
@@ -102,15 +102,23 @@ class LoadTracker:
         tokens = sum(int(getattr(r, "num_tokens", 0)) for r in running)
         # prefill reads queue_length (busy_s: the connector cannot time the engine; 0 lets the
         # conductor use its own estimate of what it assigned); decode reads running_batch, context_tokens
-        return {"queue_length": len(waiting) + len(running), "running_batch": len(running),
-                "context_tokens": tokens}
+        return {"queue_length": len(waiting) + len(running), "running_batch": len(running), "context_tokens": tokens}
 
 
 class EngineAnnouncement:
     """Registration, load reports and the engine record of one engine (see the module doc)."""
 
-    def __init__(self, client, settings, conductor_namespace: str, *, block_size: int, hash_algo: str,
-                 hash_seed: str | None, model: str):
+    def __init__(
+        self,
+        client,
+        settings,
+        conductor_namespace: str,
+        *,
+        block_size: int,
+        hash_algo: str,
+        hash_seed: str | None,
+        model: str,
+    ):
         self._client = client
         self._settings = settings
         self.conductor_namespace = conductor_namespace
@@ -118,9 +126,17 @@ class EngineAnnouncement:
         self.ids = conductor_ids(self.engine_id, settings.role)
         self.tracker = LoadTracker()
         self._key = record_key(settings.namespace, self.engine_id)
-        self.record = {"engine_id": self.engine_id, "url": settings.engine_url, "role": settings.role,
-                       "ids": self.ids, "conductor_namespace": conductor_namespace, "block_size": block_size,
-                       "hash_algo": hash_algo, "hash_seed": hash_seed, "model": model}
+        self.record = {
+            "engine_id": self.engine_id,
+            "url": settings.engine_url,
+            "role": settings.role,
+            "ids": self.ids,
+            "conductor_namespace": conductor_namespace,
+            "block_size": block_size,
+            "hash_algo": hash_algo,
+            "hash_seed": hash_seed,
+            "model": model,
+        }
         self._value = json.dumps(self.record, sort_keys=True).encode()
         self._stop = threading.Event()
         self._closed = False
@@ -134,8 +150,13 @@ class EngineAnnouncement:
         for role, conductor_id in self.ids.items():
             self._register(role, conductor_id)
         self._client.put(self._key, self._value)
-        log.info("kvstore: engine %s registered with the conductor as %s in %s on node %s", self.engine_id,
-                 ", ".join(f"{r} {i}" for r, i in self.ids.items()), self.conductor_namespace, self.node_id)
+        log.info(
+            "kvstore: engine %s registered with the conductor as %s in %s on node %s",
+            self.engine_id,
+            ", ".join(f"{r} {i}" for r, i in self.ids.items()),
+            self.conductor_namespace,
+            self.node_id,
+        )
         self._thread = threading.Thread(target=self._report_loop, name="kvstore-load-reports", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -148,14 +169,17 @@ class EngineAnnouncement:
                 self.report()
                 ticks += 1
                 if ticks % 20 == 0 and not self._client.exists(self._key):
-                    self._client.put(self._key, self._value)   # evicted: the router must still find us
+                    self._client.put(self._key, self._value)  # evicted: the router must still find us
                 if failing:
                     log.warning("kvstore: load reports reach the conductor again")
                 failing = False
             except (KVStoreError, OSError) as exc:
                 if not failing:
-                    log.warning("kvstore: load report failed (%s); retrying every %.1f s", exc,
-                                self._settings.load_report_interval)
+                    log.warning(
+                        "kvstore: load report failed (%s); retrying every %.1f s",
+                        exc,
+                        self._settings.load_report_interval,
+                    )
                 failing = True
 
     def _register(self, role: str, conductor_id: str) -> None:
@@ -173,8 +197,14 @@ class EngineAnnouncement:
                     raise
                 self._register(role, conductor_id)
                 self.reregistered += 1
-                log.warning("kvstore: the conductor did not know engine %s (a new master): registered again as "
-                            "%s %s on node %s", self.engine_id, role, conductor_id, self.node_id)
+                log.warning(
+                    "kvstore: the conductor did not know engine %s (a new master): registered again as "
+                    "%s %s on node %s",
+                    self.engine_id,
+                    role,
+                    conductor_id,
+                    self.node_id,
+                )
                 self._client.scheduling.report_load(self.conductor_namespace, conductor_id, **load)
 
     def close(self) -> None:

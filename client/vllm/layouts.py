@@ -31,12 +31,21 @@ from itertools import product
 
 from kvstore_client.errors import LayoutMismatch
 
-FAMILIES = {"vllm": ("B", "H", "N", "C"), "flash_attn": ("KV", "B", "N", "H", "D"),
-            "flashinfer": ("B", "KV", "N", "H", "D")}
+FAMILIES = {
+    "vllm": ("B", "H", "N", "C"),
+    "flash_attn": ("KV", "B", "N", "H", "D"),
+    "flashinfer": ("B", "KV", "N", "H", "D"),
+}
 CANONICAL_ORDER = ("H", "N", "KV", "D")  # the CPU backend's (LBHNC) order: its keys carry no format
 # KVCacheLayout names -> physical order of the logical axes (L, B, H, N, C), as vLLM defines them
-KV_CACHE_LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
-                    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+KV_CACHE_LAYOUTS = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
 LEGACY_NAMES = {"HND": "LBHNC", "NHD": "LBNHC"}  # FlashInfer's names, as vLLM's aliases
 
 
@@ -62,8 +71,10 @@ class BlockFormat:
     def check_readable_as(self, other: "BlockFormat") -> None:
         """LayoutMismatch unless a block stored in this format reads correctly as ``other``."""
         if self != other:
-            raise LayoutMismatch(f"blocks stored as {self.name()} ({self.dtype}) cannot be read into a layout that "
-                                 f"holds {other.name()} ({other.dtype}): the bytes are in another order")
+            raise LayoutMismatch(
+                f"blocks stored as {self.name()} ({self.dtype}) cannot be read into a layout that "
+                f"holds {other.name()} ({other.dtype}): the bytes are in another order"
+            )
 
 
 @dataclass(frozen=True)
@@ -103,8 +114,9 @@ def describe(family: str, shape, strides, itemsize: int, dtype: str, head_size: 
     if len(shape) != len(axes) or len(strides) != len(axes):
         raise LayoutMismatch(f"a {family} KV cache has {len(axes)} axes {axes}, not shape {tuple(shape)}")
     block_axis = axes.index("B")
-    inner = sorted((i for i in range(len(axes)) if i != block_axis and shape[i] > 1),
-                   key=lambda i: strides[i], reverse=True)  # the block's axes in memory order, outer first
+    inner = sorted(
+        (i for i in range(len(axes)) if i != block_axis and shape[i] > 1), key=lambda i: strides[i], reverse=True
+    )  # the block's axes in memory order, outer first
     runs_from = len(inner)  # axes inner[runs_from:] merge into one dense run
     run = 1
     while runs_from and strides[inner[runs_from - 1]] == run:
@@ -116,15 +128,24 @@ def describe(family: str, shape, strides, itemsize: int, dtype: str, head_size: 
     span = run  # elements one block spans, checked nested: each axis steps past everything inside it
     for i in reversed(outer):
         if strides[i] < span:
-            raise LayoutMismatch(f"{family} KV cache with shape {tuple(shape)} and strides {tuple(strides)}: "
-                                 "a block's axes overlap")
+            raise LayoutMismatch(
+                f"{family} KV cache with shape {tuple(shape)} and strides {tuple(strides)}: a block's axes overlap"
+            )
         span = strides[i] * (shape[i] - 1) + span
-    offsets = tuple(sum(index * strides[i] for index, i in zip(where, outer))
-                    for where in product(*(range(shape[i]) for i in outer)))
+    offsets = tuple(
+        sum(index * strides[i] for index, i in zip(where, outer))
+        for where in product(*(range(shape[i]) for i in outer))
+    )
     extent = sum((n - 1) * s for n, s in zip(shape, strides)) + 1
-    return LayerLayout(family, _format([(axes[i], shape[i]) for i in inner], head_size, dtype), shape[block_axis],
-                       strides[block_axis] * itemsize, tuple(o * itemsize for o in offsets), run * itemsize,
-                       extent * itemsize)
+    return LayerLayout(
+        family,
+        _format([(axes[i], shape[i]) for i in inner], head_size, dtype),
+        shape[block_axis],
+        strides[block_axis] * itemsize,
+        tuple(o * itemsize for o in offsets),
+        run * itemsize,
+        extent * itemsize,
+    )
 
 
 def _format(axes: list[tuple[str, int]], head_size: int, dtype: str) -> BlockFormat:
@@ -159,8 +180,10 @@ def identify(shape, num_blocks: int, num_kv_heads: int, block_size: int, head_si
         return "flash_attn"
     if shape == (num_blocks, 2, block_size, num_kv_heads, head_size):
         return "flashinfer"
-    raise LayoutMismatch(f"KV cache of shape {shape} is not a layout the connector knows for {num_blocks} blocks of "
-                         f"{block_size} tokens, {num_kv_heads} KV heads of size {head_size}")
+    raise LayoutMismatch(
+        f"KV cache of shape {shape} is not a layout the connector knows for {num_blocks} blocks of "
+        f"{block_size} tokens, {num_kv_heads} KV heads of size {head_size}"
+    )
 
 
 def permuted_strides(shape, order) -> tuple[int, ...]:
@@ -174,5 +197,13 @@ def permuted_strides(shape, order) -> tuple[int, ...]:
     return tuple(strides)
 
 
-__all__ = ["BlockFormat", "FAMILIES", "KV_CACHE_LAYOUTS", "LayerLayout", "describe", "identify", "layout_format",
-           "permuted_strides"]
+__all__ = [
+    "BlockFormat",
+    "FAMILIES",
+    "KV_CACHE_LAYOUTS",
+    "LayerLayout",
+    "describe",
+    "identify",
+    "layout_format",
+    "permuted_strides",
+]

@@ -48,8 +48,19 @@ class KVLayout:
     block_format: str = ""  # the byte order of a stored block, when not the CPU backend's (layouts.py)
 
     def fingerprint(self, tp_rank: int) -> str:
-        fields: tuple[object, ...] = (self.model, self.revision, self.kv_dtype, self.block_size, self.num_kv_heads,
-                  self.head_size, self.num_layers, self.tp_size, tp_rank, self.device, self.hash_algo)
+        fields: tuple[object, ...] = (
+            self.model,
+            self.revision,
+            self.kv_dtype,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_size,
+            self.num_layers,
+            self.tp_size,
+            tp_rank,
+            self.device,
+            self.hash_algo,
+        )
         if self.block_format:  # only then: the keys of the CPU backend's order stay as they were
             fields += (self.block_format,)
         return xxhash.xxh3_64_hexdigest("\x1f".join(map(str, fields)).encode())

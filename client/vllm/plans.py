@@ -82,12 +82,19 @@ class RequestPlans:
         state.pending_load = None
         if num_external_tokens > 0:
             first = num_computed_tokens // self.block_size
-            end = -(-(num_computed_tokens + num_external_tokens) // self.block_size)  # a block partly needed loads whole
+            end = -(
+                -(num_computed_tokens + num_external_tokens) // self.block_size
+            )  # a block partly needed loads whole
             state.pending_load = (first, end)
 
     # -- each step ---------------------------------------------------------------------------
-    def step(self, new: list[tuple[str, list[int], int]], cached: list[tuple[str, list[int] | None, bool, int]],
-             scheduled: dict[str, int], speculative: dict[str, int] | None = None) -> StepPlan:
+    def step(
+        self,
+        new: list[tuple[str, list[int], int]],
+        cached: list[tuple[str, list[int] | None, bool, int]],
+        scheduled: dict[str, int],
+        speculative: dict[str, int] | None = None,
+    ) -> StepPlan:
         """The plan of one step.
 
         ``new``: (req_id, block ids, num_computed_tokens) of newly scheduled requests;

@@ -27,8 +27,18 @@ from typing import Any, Mapping
 from kvstore_client.errors import ConfigError
 from kvstore_client.keys import check_namespace
 
-KNOWN_KEYS = {"master", "namespace", "load", "save", "save_decode", "timeout", "role", "engine_url", "engine_id",
-              "load_report_interval"}
+KNOWN_KEYS = {
+    "master",
+    "namespace",
+    "load",
+    "save",
+    "save_decode",
+    "timeout",
+    "role",
+    "engine_url",
+    "engine_id",
+    "load_report_interval",
+}
 ROLES = ("prefill", "decode", "both")
 
 
@@ -40,9 +50,9 @@ class ConnectorSettings:
     save: bool = True
     save_decode: bool = False
     timeout: float = 10.0
-    role: str | None = None          # prefill, decode, both; None: not registered with the conductor
+    role: str | None = None  # prefill, decode, both; None: not registered with the conductor
     engine_url: str | None = None
-    engine_id: str | None = None     # engine_url unless set
+    engine_id: str | None = None  # engine_url unless set
     load_report_interval: float = 0.5
 
 
@@ -81,22 +91,30 @@ def read_settings(extra: Mapping[str, Any] | None, kv_role: str | None) -> Conne
     if role is not None and role not in ROLES:
         raise ConfigError(f"kv_connector_extra_config['role'] must be one of {', '.join(ROLES)}, not {role!r}")
     engine_url = extra.get("engine_url")
-    if engine_url is not None and not (isinstance(engine_url, str) and engine_url.startswith(("http://", "https://"))
-                                       and len(engine_url.split("://", 1)[1].strip("/")) > 0):
-        raise ConfigError(f"kv_connector_extra_config['engine_url'] must be the engine's http://HOST:PORT, "
-                          f"not {engine_url!r}")
+    if engine_url is not None and not (
+        isinstance(engine_url, str)
+        and engine_url.startswith(("http://", "https://"))
+        and len(engine_url.split("://", 1)[1].strip("/")) > 0
+    ):
+        raise ConfigError(
+            f"kv_connector_extra_config['engine_url'] must be the engine's http://HOST:PORT, not {engine_url!r}"
+        )
     if role is not None and engine_url is None:
-        raise ConfigError("kv_connector_extra_config['role'] needs 'engine_url': the base URL of this engine's "
-                          "OpenAI server, where the router sends requests")
+        raise ConfigError(
+            "kv_connector_extra_config['role'] needs 'engine_url': the base URL of this engine's "
+            "OpenAI server, where the router sends requests"
+        )
     engine_id = extra.get("engine_id", engine_url.rstrip("/") if engine_url else None)
     if engine_id is not None and (not isinstance(engine_id, str) or not engine_id or "#" in engine_id):
-        raise ConfigError(f"kv_connector_extra_config['engine_id'] must be a non-empty string without '#', "
-                          f"not {engine_id!r}")
+        raise ConfigError(
+            f"kv_connector_extra_config['engine_id'] must be a non-empty string without '#', not {engine_id!r}"
+        )
     try:
         interval = float(extra.get("load_report_interval", 0.5))
     except (TypeError, ValueError):
-        raise ConfigError("kv_connector_extra_config['load_report_interval'] must be a number, not "
-                          f"{extra['load_report_interval']!r}") from None
+        raise ConfigError(
+            f"kv_connector_extra_config['load_report_interval'] must be a number, not {extra['load_report_interval']!r}"
+        ) from None
     if not interval > 0:
         raise ConfigError("kv_connector_extra_config['load_report_interval'] must be positive")
     if kv_role not in ("kv_both", "kv_producer", "kv_consumer"):

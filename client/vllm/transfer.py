@@ -72,7 +72,9 @@ class LayerSlabs:
         self.layout = layout
         self.nbytes = layout.slab_bytes
         self.device = tensor.device
-        self._flat = torch.as_strided(tensor.detach(), (layout.extent // tensor.element_size(),), (1,)).view(torch.uint8)
+        self._flat = torch.as_strided(tensor.detach(), (layout.extent // tensor.element_size(),), (1,)).view(
+            torch.uint8
+        )
         self._view = buffer_view(self._flat, writable=True) if layout.contiguous_blocks else None
 
     def __getitem__(self, block_id: int):
@@ -109,13 +111,22 @@ def whole_block_layout(tensor) -> LayerLayout:
     """The layout of a tensor whose dimension 0 is the block, each block contiguous (the
     caller knows no more about it): what vLLM's CPU backend hands over."""
     if not tensor[0].is_contiguous():
-        raise LayoutMismatch(f"KV cache layout not supported: shape {tuple(tensor.shape)}, strides {tensor.stride()}; "
-                             "without a known layout the connector needs one contiguous slab per block")
+        raise LayoutMismatch(
+            f"KV cache layout not supported: shape {tuple(tensor.shape)}, strides {tensor.stride()}; "
+            "without a known layout the connector needs one contiguous slab per block"
+        )
     itemsize = tensor.element_size()
     slab = tensor[0].numel() * itemsize
     extent = (sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) + 1) * itemsize
-    return LayerLayout("blocks", BlockFormat((("slab", slab),), str(tensor.dtype)), tensor.shape[0],
-                       tensor.stride(0) * itemsize, (0,), slab, extent)
+    return LayerLayout(
+        "blocks",
+        BlockFormat((("slab", slab),), str(tensor.dtype)),
+        tensor.shape[0],
+        tensor.stride(0) * itemsize,
+        (0,),
+        slab,
+        extent,
+    )
 
 
 class LayerwiseTransfers:
@@ -125,8 +136,14 @@ class LayerwiseTransfers:
     (default: dimension 0 is the block, each block contiguous); ``block_format``: the format
     the keys of ``naming`` hold, which every layer must store (LayoutMismatch otherwise)."""
 
-    def __init__(self, client, naming: PoolNaming, layers: list, layouts: list[LayerLayout] | None = None,
-                 block_format: BlockFormat | None = None):
+    def __init__(
+        self,
+        client,
+        naming: PoolNaming,
+        layers: list,
+        layouts: list[LayerLayout] | None = None,
+        block_format: BlockFormat | None = None,
+    ):
         self._client = client
         self._naming = naming
         layouts = layouts if layouts is not None else [whole_block_layout(t) for t in layers]
@@ -242,8 +259,9 @@ class LayerwiseTransfers:
         try:
             got = self._client.batch_get_into(keys, buffers)
         except (KVStoreError, OSError) as exc:
-            log.warning("kvstore: loading layer %d of %d blocks failed (%s): vLLM recomputes them",
-                        layer, len(todo), exc)
+            log.warning(
+                "kvstore: loading layer %d of %d blocks failed (%s): vLLM recomputes them", layer, len(todo), exc
+            )
             got = [None] * len(todo)
         kept = []
         slab_bytes = slabs.nbytes
@@ -280,8 +298,12 @@ class LayerwiseTransfers:
         self._after(ready)
         for t in saves:
             try:
-                self._client.batch_put(self._naming.keys(layer, t.hashes), slabs.to_save(t.block_ids),
-                                       depths=range(t.first_index, t.first_index + len(t.block_ids)), wait=False)
+                self._client.batch_put(
+                    self._naming.keys(layer, t.hashes),
+                    slabs.to_save(t.block_ids),
+                    depths=range(t.first_index, t.first_index + len(t.block_ids)),
+                    wait=False,
+                )
                 self.stats.saved += len(t.block_ids)
             except (KVStoreError, OSError) as exc:
                 self.stats.save_failures += len(t.block_ids)

@@ -39,5 +39,16 @@ from kvstore.benchmark.report import emit, format_table, plot, targets
 from kvstore.benchmark.runner import run
 from kvstore.benchmark.settings import MiB, OPS, TRANSPORTS, Settings, parse_list
 
-__all__ = ["MiB", "OPS", "TRANSPORTS", "Settings", "embedded_pool", "emit", "format_table", "parse_list", "plot",
-           "run", "targets"]
+__all__ = [
+    "MiB",
+    "OPS",
+    "TRANSPORTS",
+    "Settings",
+    "embedded_pool",
+    "emit",
+    "format_table",
+    "parse_list",
+    "plot",
+    "run",
+    "targets",
+]

@@ -85,12 +85,17 @@ def redis_status(settings: Settings) -> tuple[str | None, str | None, list[str]]
         return None, None, ["Redis baselines skipped: redis-py is not installed (pip install 'kvstore[bench]')"]
     server = shutil.which(settings.redis_server)
     if server is None:
-        return None, None, [f"Redis baselines skipped: {settings.redis_server} not found "
-                            "(apt-get install redis-server)"]
+        return (
+            None,
+            None,
+            [f"Redis baselines skipped: {settings.redis_server} not found (apt-get install redis-server)"],
+        )
     bench = shutil.which(settings.redis_benchmark)
     if bench is None:
-        notes.append(f"redis-benchmark (C client) baseline skipped: {settings.redis_benchmark} not found "
-                     "(apt-get install redis-tools)")
+        notes.append(
+            f"redis-benchmark (C client) baseline skipped: {settings.redis_benchmark} not found "
+            "(apt-get install redis-tools)"
+        )
     return server, bench, notes
 
 
@@ -105,11 +110,28 @@ class RedisServer:
 
     def __init__(self, binary: str):
         self.port = free_port()
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning",
-                                      "--dir", tempfile.gettempdir()],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)  # Ctrl-C is ours to handle: close() stops it
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+                "--loglevel",
+                "warning",
+                "--dir",
+                tempfile.gettempdir(),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )  # Ctrl-C is ours to handle: close() stops it
         import redis
 
         self.client = redis.Redis(port=self.port)
@@ -144,11 +166,29 @@ def preload_redis_c(redis: RedisServer, size: int, keys: int, batch: int) -> Non
         pipe.execute()
 
 
-def redis_c_rate(binary: str, port: int, test: str, size: int, requests: int, clients: int, pipeline: int,
-                 keyspace: int) -> tuple[float, float | None, float | None]:
+def redis_c_rate(
+    binary: str, port: int, test: str, size: int, requests: int, clients: int, pipeline: int, keyspace: int
+) -> tuple[float, float | None, float | None]:
     """redis-benchmark's (requests/s, p50 ms, p99 ms) for one test (get or set)."""
-    args = [binary, "-p", str(port), "-t", test, "-d", str(size), "-n", str(requests), "-c", str(clients),
-            "-P", str(pipeline), "-r", str(keyspace), "-q", "--csv"]
+    args = [
+        binary,
+        "-p",
+        str(port),
+        "-t",
+        test,
+        "-d",
+        str(size),
+        "-n",
+        str(requests),
+        "-c",
+        str(clients),
+        "-P",
+        str(pipeline),
+        "-r",
+        str(keyspace),
+        "-q",
+        "--csv",
+    ]
     out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True).stdout
     rows = list(csv.DictReader(io.StringIO(out)))
     if not rows:

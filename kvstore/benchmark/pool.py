@@ -13,8 +13,9 @@ def _start_master_and_node(config, data_dir: str):
     from kvstore.node.daemon import NodeOptions, StorageNode
 
     master = MasterServer(host="127.0.0.1", port=0, ttl_s=5.0, heartbeat_interval_s=0.5).start()
-    node = StorageNode(config, NodeOptions(master=master.address, port=0, data_dir=data_dir,
-                                           register_wait_s=10)).start()
+    node = StorageNode(
+        config, NodeOptions(master=master.address, port=0, data_dir=data_dir, register_wait_s=10)
+    ).start()
     return master, node
 
 

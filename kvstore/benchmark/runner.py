@@ -27,8 +27,7 @@ def run(settings: Settings) -> dict:
     try:
         if settings.master:
             master = settings.master
-            notes.append(f"pool at {master}: its DRAM must hold {need / MiB:.0f} MiB (the working set) "
-                         "or gets miss")
+            notes.append(f"pool at {master}: its DRAM must hold {need / MiB:.0f} MiB (the working set) or gets miss")
         else:
             pool = HelperProcess(ctx, serve_pool, dram, max(settings.sizes))
             helpers.append(pool)
@@ -48,8 +47,12 @@ def run(settings: Settings) -> dict:
         for h in reversed(helpers):
             h.close()
     recs = records(settings, raw, redis is not None, redis_c_bin is not None)
-    return {"config": _config(settings, dram, master if settings.master else None), "notes": notes,
-            "records": recs, "targets": targets(recs)}
+    return {
+        "config": _config(settings, dram, master if settings.master else None),
+        "notes": notes,
+        "records": recs,
+        "targets": targets(recs),
+    }
 
 
 def _start_redis(redis_bin: str, notes: list[str]) -> RedisServer | None:
@@ -66,16 +69,27 @@ def _redis_versions(redis_bin: str) -> str:
     import redis as redis_py
 
     parser = "hiredis" if getattr(redis_py.utils, "HIREDIS_AVAILABLE", False) else "pure-Python parser"
-    return (f"redis-py {redis_py.__version__} ({parser}); "
-            f"{subprocess.run([redis_bin, '--version'], capture_output=True, text=True).stdout.split()[2]}")
+    return (
+        f"redis-py {redis_py.__version__} ({parser}); "
+        f"{subprocess.run([redis_bin, '--version'], capture_output=True, text=True).stdout.split()[2]}"
+    )
 
 
 def _config(settings: Settings, dram: int, master) -> dict:
-    return {"sizes": settings.sizes, "ops": settings.ops, "transports": settings.transports,
-            "clients": settings.clients, "bytes_per_client": settings.bytes_per_client, "batch": settings.batch,
-            "rounds": settings.rounds, "master": master, "pool_dram": None if master else dram,
-            "pool_arena_dir": None if master else shm_dir(),
-            "pool_arena_huge_pages": None if master else on_huge_pages(shm_dir()), "cpus": os.cpu_count()}
+    return {
+        "sizes": settings.sizes,
+        "ops": settings.ops,
+        "transports": settings.transports,
+        "clients": settings.clients,
+        "bytes_per_client": settings.bytes_per_client,
+        "batch": settings.batch,
+        "rounds": settings.rounds,
+        "master": master,
+        "pool_dram": None if master else dram,
+        "pool_arena_dir": None if master else shm_dir(),
+        "pool_arena_huge_pages": None if master else on_huge_pages(shm_dir()),
+        "cpus": os.cpu_count(),
+    }
 
 
 def _measures(settings: Settings, redis_py: bool) -> list[str]:
@@ -107,23 +121,31 @@ def _run_levels(ctx, settings: Settings, master: str, socket_address: str, redis
                         redis.client.flushall()
                         if c_tests:
                             preload_redis_c(redis, size, count * n, settings.batch)
-                    prepared = group.ask({"type": "prepare", "size": size, "count": count, "batch": settings.batch,
-                                          "populate": ["kvstore", "redis"]})
+                    prepared = group.ask(
+                        {
+                            "type": "prepare",
+                            "size": size,
+                            "count": count,
+                            "batch": settings.batch,
+                            "populate": ["kvstore", "redis"],
+                        }
+                    )
                     _note_paths(notes, prepared[0]["paths"])
                     for m in measures:  # warm-up: connections, page tables, caches
                         group.ask({"type": "run", "measure": m, "limit": 2 * settings.batch})
                     for _ in range(settings.rounds):
                         for m in measures:
                             progress.step(f"{n} clients {label(size)} {m}")
-                            raw.setdefault((n, size, m), []).append(aggregate(group.ask({"type": "run",
-                                                                                          "measure": m})))
+                            raw.setdefault((n, size, m), []).append(aggregate(group.ask({"type": "run", "measure": m})))
                         for test, batched in c_tests:
                             progress.step(f"{n} clients {label(size)} redis-benchmark {test}")
                             pipeline = settings.batch if batched else 1
-                            rps, p50, p99 = redis_c_rate(redis_c_bin, redis.port, test, size, count * n, n, pipeline,
-                                                         count * n)
+                            rps, p50, p99 = redis_c_rate(
+                                redis_c_bin, redis.port, test, size, count * n, n, pipeline, count * n
+                            )
                             raw.setdefault((n, size, f"redis_c:{test}:{pipeline}"), []).append(
-                                {"gbps": rps * size / 1e9, "ops_s": rps, "p50_ms": p50, "p99_ms": p99})
+                                {"gbps": rps * size / 1e9, "ops_s": rps, "p50_ms": p50, "p99_ms": p99}
+                            )
             finally:
                 group.close()
     finally:

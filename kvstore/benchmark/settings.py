@@ -52,8 +52,9 @@ class Settings:
         if any(s <= 0 for s in self.sizes):
             raise ValueError(f"sizes: every value size must be positive (got {', '.join(map(str, self.sizes))})")
         if any(c < 1 for c in self.clients):
-            raise ValueError(f"clients: every client count must be at least 1 "
-                             f"(got {', '.join(map(str, self.clients))})")
+            raise ValueError(
+                f"clients: every client count must be at least 1 (got {', '.join(map(str, self.clients))})"
+            )
         for name in ("bytes_per_client", "batch", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 (got {getattr(self, name)})")

@@ -38,8 +38,9 @@ def _then_wait(calls: list, wait) -> list:
 class Worker:
     """State of one client process: a Client per transport, a socket, a redis connection, values."""
 
-    def __init__(self, index: int, master: str, socket_address: str | None, redis_port: int | None,
-                 transports: list[str]):
+    def __init__(
+        self, index: int, master: str, socket_address: str | None, redis_port: int | None, transports: list[str]
+    ):
         self.index, self.master, self.transports = index, master, transports
         self.socket_address, self.redis_port = socket_address, redis_port
         self.clients: dict = {}
@@ -111,15 +112,18 @@ class Worker:
         c, keys, values, dst = self.client(transport), self.keys, self.values, self.dst
         return {
             "put": lambda: [lambda i=i: c.put(keys[i], values[i]) for i in singles],
-            "put_nowait": lambda: _then_wait([lambda i=i: c.put(keys[i], values[i], wait=False) for i in singles],
-                                             c.wait_for_puts),
+            "put_nowait": lambda: _then_wait(
+                [lambda i=i: c.put(keys[i], values[i], wait=False) for i in singles], c.wait_for_puts
+            ),
             "get": lambda: [lambda i=i: _must(c.get(keys[i])) for i in singles],
             "get_into": lambda: [lambda i=i: _must(c.get_into(keys[i], dst[0])) for i in singles],
-            "batch_put": lambda: [lambda b=b: c.batch_put([keys[i] for i in b], [values[i] for i in b])
-                                  for b in batches],
+            "batch_put": lambda: [
+                lambda b=b: c.batch_put([keys[i] for i in b], [values[i] for i in b]) for b in batches
+            ],
             "batch_get": lambda: [lambda b=b: _must_all(c.batch_get([keys[i] for i in b])) for b in batches],
-            "batch_get_into": lambda: [lambda b=b: _must_all(c.batch_get_into([keys[i] for i in b],
-                                                                              dst[: len(b)])) for b in batches],
+            "batch_get_into": lambda: [
+                lambda b=b: _must_all(c.batch_get_into([keys[i] for i in b], dst[: len(b)])) for b in batches
+            ],
         }[op]()
 
     def _socket_calls(self, op: str, singles):
@@ -198,8 +202,11 @@ class ClientGroup:
         self.conns, self.procs = [], []
         for i in range(n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=run_helper, args=(_worker_main, child, self.barrier, i, master,
-                                                         socket_address, redis_port, transports), daemon=True)
+            p = ctx.Process(
+                target=run_helper,
+                args=(_worker_main, child, self.barrier, i, master, socket_address, redis_port, transports),
+                daemon=True,
+            )
             with sigint_held():
                 p.start()
             child.close()

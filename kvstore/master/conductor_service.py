@@ -42,7 +42,7 @@ class SchedulingOptions:
     ttft_slo_s: float = float("inf")
     tbt_slo_s: float = float("inf")
     balancing_threshold: int = 0
-    request_ttl_s: float = 3600.0   # a request with no report this long is forgotten (lost engine or client)
+    request_ttl_s: float = 3600.0  # a request with no report this long is forgotten (lost engine or client)
     max_requests: int = DEFAULT_MAX_REQUESTS  # in flight per namespace; past it Schedule rejects
 
     def __post_init__(self) -> None:
@@ -53,14 +53,21 @@ class SchedulingOptions:
 class ConductorServicer(pb_grpc.ConductorServicer):
     """Adapts the Conductor RPCs to per-namespace Conductor objects."""
 
-    def __init__(self, index: PrefixIndex, replicator: Replicator, options: SchedulingOptions,
-                 counter, cost: CostModel | None = None, clock: Clock | None = None):
+    def __init__(
+        self,
+        index: PrefixIndex,
+        replicator: Replicator,
+        options: SchedulingOptions,
+        counter,
+        cost: CostModel | None = None,
+        clock: Clock | None = None,
+    ):
         self._index = index
         self._replicator = replicator
         self._options = options
         self._cost = cost or CostModel()
         self._count = counter  # the master's RPC counter, shared with the metrics
-        self._clock = clock    # None: the real clock; tests inject a SimClock (request TTLs)
+        self._clock = clock  # None: the real clock; tests inject a SimClock (request TTLs)
         self._conductors: dict[str, Conductor] = {}
         self._lock = threading.Lock()
 
@@ -82,9 +89,18 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             if conductor is None:
                 o = self._options
                 conductor = Conductor(
-                    self._index, self._cost, policy=o.policy, admission=o.admission, ttft_slo=o.ttft_slo_s,
-                    tbt_slo=o.tbt_slo_s, namespace=namespace, balancing_threshold=o.balancing_threshold,
-                    request_ttl=o.request_ttl_s, clock=self._clock, max_requests=o.max_requests)
+                    self._index,
+                    self._cost,
+                    policy=o.policy,
+                    admission=o.admission,
+                    ttft_slo=o.ttft_slo_s,
+                    tbt_slo=o.tbt_slo_s,
+                    namespace=namespace,
+                    balancing_threshold=o.balancing_threshold,
+                    request_ttl=o.request_ttl_s,
+                    clock=self._clock,
+                    max_requests=o.max_requests,
+                )
                 if create:
                     self._conductors[namespace] = conductor
             return conductor
@@ -114,21 +130,34 @@ class ConductorServicer(pb_grpc.ConductorServicer):
     def ReportEngineLoad(self, request, context):
         """Read by the engine's registered role: an idle decode engine's zeros are a decode report."""
         self.conductor(request.namespace).report_load(
-            request.engine_id, queue_len=request.queue_length, busy_s=request.busy_s,
-            batch=request.running_batch, context_tokens=request.context_tokens)
+            request.engine_id,
+            queue_len=request.queue_length,
+            busy_s=request.busy_s,
+            batch=request.running_batch,
+            context_tokens=request.context_tokens,
+        )
         return pb.EngineRegistered()
 
     @_rpc
     def Schedule(self, request, context):
         conductor = self.conductor(request.namespace)
-        outcome = conductor.schedule(list(request.digests), request.input_length, request.output_length,
-                                     request_id=request.request_id or uuid.uuid4().hex)
+        outcome = conductor.schedule(
+            list(request.digests),
+            request.input_length,
+            request.output_length,
+            request_id=request.request_id or uuid.uuid4().hex,
+        )
         if isinstance(outcome, Rejected):
             context.set_trailing_metadata([(REJECTION_METADATA, _rejection_reply(outcome).SerializeToString())])
             raise Overloaded(outcome.message, outcome.reason.value)
         if outcome.fetch_from and outcome.fetch_blocks:
-            self._replicator.copy(request.namespace, outcome.fetch_from, outcome.prefill_node,
-                                  list(outcome.fetch_blocks), outcome.local_blocks)
+            self._replicator.copy(
+                request.namespace,
+                outcome.fetch_from,
+                outcome.prefill_node,
+                list(outcome.fetch_blocks),
+                outcome.local_blocks,
+            )
         return _schedule_reply(outcome)
 
     @_rpc
@@ -152,13 +181,21 @@ class ConductorServicer(pb_grpc.ConductorServicer):
 
 
 def _rejection_reply(r: Rejected) -> pb.ScheduleReply:
-    return pb.ScheduleReply(request_id=str(r.request_id), reason=r.reason.value, detail=r.detail,
-                            estimated_ttft_s=r.est_ttft_s)
+    return pb.ScheduleReply(
+        request_id=str(r.request_id), reason=r.reason.value, detail=r.detail, estimated_ttft_s=r.est_ttft_s
+    )
 
 
 def _schedule_reply(d: Decision) -> pb.ScheduleReply:
     return pb.ScheduleReply(
-        request_id=str(d.request_id), prefill_engine=d.prefill, prefill_node=d.prefill_node,
-        decode_engine=d.decode or "", prefix_blocks=d.prefix_blocks, prefix_tokens=d.prefix_len,
-        fetch_from_node=d.fetch_from or "", fetch_blocks=len(d.fetch_blocks),
-        estimated_ttft_s=d.est_ttft_s, estimated_tbt_s=d.est_tbt_s)
+        request_id=str(d.request_id),
+        prefill_engine=d.prefill,
+        prefill_node=d.prefill_node,
+        decode_engine=d.decode or "",
+        prefix_blocks=d.prefix_blocks,
+        prefix_tokens=d.prefix_len,
+        fetch_from_node=d.fetch_from or "",
+        fetch_blocks=len(d.fetch_blocks),
+        estimated_ttft_s=d.est_ttft_s,
+        estimated_tbt_s=d.est_tbt_s,
+    )

@@ -55,8 +55,7 @@ class Drainer:
         with self._lock:
             if node_id in self._runs and self._runs[node_id].is_alive():
                 return total, copying
-            run = threading.Thread(target=self._drain, args=(node_id, only_here), name=f"drain-{node_id}",
-                                   daemon=True)
+            run = threading.Thread(target=self._drain, args=(node_id, only_here), name=f"drain-{node_id}", daemon=True)
             self._runs[node_id] = run
         run.start()
         log.info("draining node %s: %d blocks indexed, %d held by no other node", node_id, total, copying)
@@ -75,8 +74,11 @@ class Drainer:
         return run is None or not run.is_alive()
 
     def _drain(self, node_id: str, only_here: list[tuple[str, list[bytes]]]) -> None:
-        targets = [s.node_id for s in sorted(self._membership.placeable_nodes(), key=lambda s: -s.dram_free())
-                   if s.node_id != node_id]  # most free DRAM first
+        targets = [
+            s.node_id
+            for s in sorted(self._membership.placeable_nodes(), key=lambda s: -s.dram_free())
+            if s.node_id != node_id
+        ]  # most free DRAM first
         if only_here and not targets:
             log.warning("draining node %s: no other node to copy its blocks to; they leave the index", node_id)
         futures, turn = [], 0
@@ -84,8 +86,11 @@ class Drainer:
             for start in range(0, len(digests), COPY_CHUNK):
                 target = targets[turn % len(targets)]
                 turn += 1
-                futures.append(self._replicator.copy(namespace, node_id, target, digests[start:start + COPY_CHUNK],
-                                                     first_depth=0))
+                futures.append(
+                    self._replicator.copy(
+                        namespace, node_id, target, digests[start : start + COPY_CHUNK], first_depth=0
+                    )
+                )
         wait(futures)
         copied = sum(f.result() for f in futures if f.exception() is None)
         if copied:  # the targets report their copies within their flush interval: let them land first
@@ -97,5 +102,8 @@ class Drainer:
         log.info("drained node %s: %d blocks copied to other nodes, its entries left the index", node_id, copied)
 
     def _held_elsewhere(self, node_id: str, blocks: list[tuple[str, list[bytes]]]) -> bool:
-        return all(any(n != node_id for n, _tier in h)
-                   for namespace, digests in blocks for h in self._index.locate(namespace, digests))
+        return all(
+            any(n != node_id for n, _tier in h)
+            for namespace, digests in blocks
+            for h in self._index.locate(namespace, digests)
+        )

@@ -80,9 +80,16 @@ class EtcdOptions:
 class Election:
     """One master's campaign for leadership (see the module docstring)."""
 
-    def __init__(self, etcd: Etcd, prefix: str, address: str, ttl_s: int = DEFAULT_LEASE_TTL_S,
-                 on_elected: Callable[[], None] | None = None, poll_s: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        etcd: Etcd,
+        prefix: str,
+        address: str,
+        ttl_s: int = DEFAULT_LEASE_TTL_S,
+        on_elected: Callable[[], None] | None = None,
+        poll_s: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if ttl_s < 1:
             raise ValueError(f"the lease TTL must be at least 1 s, got {ttl_s}")
         self._etcd, self.key, self.address = etcd, leader_key(prefix), address
@@ -139,8 +146,11 @@ class Election:
                 self._quiet = False
             except (EtcdUnavailable, grpc.RpcError) as exc:
                 if not self._quiet:
-                    log.warning("etcd unreachable (%s): %s", exc, "serving until the lease deadline"
-                                if self._leading else "standing by")
+                    log.warning(
+                        "etcd unreachable (%s): %s",
+                        exc,
+                        "serving until the lease deadline" if self._leading else "standing by",
+                    )
                 self._quiet = True
             if self._leading and not self.is_leader():
                 self._step_down("its lease deadline passed")
@@ -211,8 +221,9 @@ class LeaderGate(grpc.ServerInterceptor):
                 leader = election.leader() if election is not None else None
                 if leader:
                     context.set_trailing_metadata(((LEADER_METADATA, leader),))
-                context.abort(grpc.StatusCode.UNAVAILABLE,
-                              f"this master is a standby; the leader is {leader or 'not known yet'}")
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"this master is a standby; the leader is {leader or 'not known yet'}"
+                )
             return behavior(request, context)
 
         return handler._replace(unary_unary=leader_only)

@@ -348,7 +348,9 @@ class PrefixIndex:
             return _walk_prefix(table.get, digests)
 
     # -- admin ----------------------------------------------------------------------------------
-    def list_keys(self, namespace: str | None, limit: int, start_after: bytes = b"") -> list[tuple[str, bytes, Holders]]:
+    def list_keys(
+        self, namespace: str | None, limit: int, start_after: bytes = b""
+    ) -> list[tuple[str, bytes, Holders]]:
         """Up to ``limit`` keys as (namespace, digest, holders), ordered by (namespace, digest).
 
         With a namespace, the page starts after digest ``start_after``; without one
@@ -377,7 +379,7 @@ class PrefixIndex:
         out = []
         i = bisect.bisect_right(snapshot, start_after) if start_after else 0
         while len(out) < limit and i < len(snapshot):
-            chunk = snapshot[i:i + max(limit - len(out), 64)]
+            chunk = snapshot[i : i + max(limit - len(out), 64)]
             i += len(chunk)
             with self._lock:
                 get = self._table.get(namespace, {}).get

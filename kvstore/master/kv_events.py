@@ -105,8 +105,10 @@ def check_endpoint(endpoint: str, what: str = "endpoint") -> str:
     tcp = _TCP.fullmatch(endpoint)
     if tcp and int(tcp.group(3)) <= 65535 or _IPC.fullmatch(endpoint):
         return endpoint
-    raise ConfigError(f"{what} {endpoint!r} is not tcp://HOST:PORT (e.g. tcp://127.0.0.1:5557, tcp://*:5557, "
-                      "port 0..65535) or ipc://PATH")
+    raise ConfigError(
+        f"{what} {endpoint!r} is not tcp://HOST:PORT (e.g. tcp://127.0.0.1:5557, tcp://*:5557, "
+        "port 0..65535) or ipc://PATH"
+    )
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,7 @@ def events_for(changes: Sequence[Change]) -> list[Event]:
             removed[was].append(digest)
         if now is not None:
             stored[now].append(digest)
-    return ([(REMOVED, m, d) for m, d in removed.items() if d] +
-            [(STORED, m, d) for m, d in stored.items() if d])
+    return [(REMOVED, m, d) for m, d in removed.items() if d] + [(STORED, m, d) for m, d in stored.items() if d]
 
 
 def append_events(out: list[Event], events: Sequence[Event]) -> None:
@@ -194,7 +195,7 @@ def split_events(events: Sequence[Event], max_hashes: int) -> list[list[Event]]:
             if room == 0:
                 messages.append([])
                 room = max_hashes
-            take = digests[start:start + room]
+            take = digests[start : start + room]
             messages[-1].append((kind, medium, take))
             start += len(take)
             room -= len(take)

@@ -112,8 +112,9 @@ class KVEventsPublisher:
         self._index.watch(self._queue.offer)
         self._thread = threading.Thread(target=self._run, name="master-kv-events", daemon=True)
         self._thread.start()
-        log.info("KV events on %s%s", self.endpoint,
-                 f", replay on {self.replay_endpoint}" if self.replay_endpoint else "")
+        log.info(
+            "KV events on %s%s", self.endpoint, f", replay on {self.replay_endpoint}" if self.replay_endpoint else ""
+        )
         return self
 
     def stop(self) -> None:
@@ -172,9 +173,12 @@ class KVEventsPublisher:
     def _flush(self) -> None:
         items, overflowed = self._queue.take()
         if overflowed:
-            log.warning("KV event queue full (%d changes): dropped changes (%d since start); "
-                        "resyncing subscribers (AllBlocksCleared, then every block)",
-                        self._options.max_pending, self._queue.dropped)
+            log.warning(
+                "KV event queue full (%d changes): dropped changes (%d since start); "
+                "resyncing subscribers (AllBlocksCleared, then every block)",
+                self._options.max_pending,
+                self._queue.dropped,
+            )
         if overflowed or self._resync_due:
             self._resync_due = False
             self._resync()
@@ -224,8 +228,11 @@ class KVEventsPublisher:
             self._announced.add(namespace)
         elif not self._announced_full:
             self._announced_full = True
-            log.warning("more than %d namespaces: after a resync, subscribers filtering the later ones may keep "
-                        "blocks removed while changes were dropped", _MAX_ANNOUNCED)
+            log.warning(
+                "more than %d namespaces: after a resync, subscribers filtering the later ones may keep "
+                "blocks removed while changes were dropped",
+                _MAX_ANNOUNCED,
+            )
 
     def _send(self, topic: bytes, events: list[Event]) -> None:
         payload = self._encoder.encode(time.time(), events)
@@ -254,8 +261,11 @@ class KVEventsPublisher:
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
                 self._bad_requests += 1
                 if self._bad_requests == 1:
-                    log.warning("bad KV event replay request (%d frames): expected identity, empty frame, "
-                                "8-byte big-endian start sequence number (later ones only counted)", len(frames))
+                    log.warning(
+                        "bad KV event replay request (%d frames): expected identity, empty frame, "
+                        "8-byte big-endian start sequence number (later ones only counted)",
+                        len(frames),
+                    )
                 if len(frames) >= 2:  # let a waiting client stop waiting
                     self._reply(frames[0], b"", END_SEQ, b"")
                 continue
@@ -277,24 +287,63 @@ class KVEventsPublisher:
     def samples(self) -> list[Sample]:
         """Prometheus samples of the publisher (the master adds them to its own)."""
         samples: list[Sample] = [
-            ("kvstore_master_kv_events_messages_total", "KVEventBatch messages published on the KV events socket.",
-             "counter", {}, self._messages)]
-        samples += [("kvstore_master_kv_events_total", "KV events published, by type.", "counter", {"type": t}, n)
-                    for t, n in self._events.items()]
-        samples += [("kvstore_master_kv_events_blocks_total", "Block hashes announced, by event type.", "counter",
-                     {"type": t}, n) for t, n in self._blocks.items()]
+            (
+                "kvstore_master_kv_events_messages_total",
+                "KVEventBatch messages published on the KV events socket.",
+                "counter",
+                {},
+                self._messages,
+            )
+        ]
         samples += [
-            ("kvstore_master_kv_events_dropped_total",
-             "Index changes dropped because the KV event queue was full (each drop is followed by a resync).",
-             "counter", {}, self._queue.dropped),
-            ("kvstore_master_kv_events_resyncs_total",
-             "Times the whole index was republished (AllBlocksCleared, then every block): at start and after drops.",
-             "counter", {}, self._resyncs),
-            ("kvstore_master_kv_events_queued", "Index changes waiting to be published.", "gauge", {},
-             self._queue.pending),
-            ("kvstore_master_kv_events_replay_requests_total", "Replay requests received (malformed ones too).",
-             "counter", {}, self._replay_requests),
-            ("kvstore_master_kv_events_replay_buffer_messages", "Messages kept for replay.", "gauge", {},
-             len(self._buffer)),
+            ("kvstore_master_kv_events_total", "KV events published, by type.", "counter", {"type": t}, n)
+            for t, n in self._events.items()
+        ]
+        samples += [
+            (
+                "kvstore_master_kv_events_blocks_total",
+                "Block hashes announced, by event type.",
+                "counter",
+                {"type": t},
+                n,
+            )
+            for t, n in self._blocks.items()
+        ]
+        samples += [
+            (
+                "kvstore_master_kv_events_dropped_total",
+                "Index changes dropped because the KV event queue was full (each drop is followed by a resync).",
+                "counter",
+                {},
+                self._queue.dropped,
+            ),
+            (
+                "kvstore_master_kv_events_resyncs_total",
+                "Times the whole index was republished (AllBlocksCleared, then every block): at start and after drops.",
+                "counter",
+                {},
+                self._resyncs,
+            ),
+            (
+                "kvstore_master_kv_events_queued",
+                "Index changes waiting to be published.",
+                "gauge",
+                {},
+                self._queue.pending,
+            ),
+            (
+                "kvstore_master_kv_events_replay_requests_total",
+                "Replay requests received (malformed ones too).",
+                "counter",
+                {},
+                self._replay_requests,
+            ),
+            (
+                "kvstore_master_kv_events_replay_buffer_messages",
+                "Messages kept for replay.",
+                "gauge",
+                {},
+                len(self._buffer),
+            ),
         ]
         return samples

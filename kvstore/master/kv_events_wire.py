@@ -70,5 +70,12 @@ class Encoder:
         hashes = digests if self._hashes == "bytes" else [hash_value(d, self._hashes) for d in digests]
         if kind == REMOVED:
             return BlockRemoved(block_hashes=hashes, medium=medium)
-        return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
-                           medium=medium, lora_name=None)
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=0,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+        )

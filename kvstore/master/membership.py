@@ -133,11 +133,15 @@ class Membership:
         with self._lock:
             now = self._clock()
             held = self._nodes.get(info.node_id)
-            if held is not None and held.last_seen >= now - self.ttl_s and not (
-                    _same(held.credential, credential) and held.info.data_address == info.data_address):
+            if (
+                held is not None
+                and held.last_seen >= now - self.ttl_s
+                and not (_same(held.credential, credential) and held.info.data_address == info.data_address)
+            ):
                 raise NodeIdInUse(
                     f"node id {info.node_id!r} is held by a live node at {held.info.data_address or '(no address)'}"
-                    f" registered by another process; it is free once that node is silent for {self.ttl_s:g}s")
+                    f" registered by another process; it is free once that node is silent for {self.ttl_s:g}s"
+                )
             self._nodes[info.node_id] = NodeState(info=info, registered_at=now, last_seen=now, credential=credential)
             self.index.reset_node(info.node_id)
 
@@ -169,8 +173,14 @@ class Membership:
             self._nodes[node_id] = replace(state, last_seen=self._clock())
             return True
 
-    def report(self, node_id: str, batches: Iterable[Batch], full_inventory: bool = False,
-               credential: str = "", stored: Iterable[Stored] = ()) -> bool:
+    def report(
+        self,
+        node_id: str,
+        batches: Iterable[Batch],
+        full_inventory: bool = False,
+        credential: str = "",
+        stored: Iterable[Stored] = (),
+    ) -> bool:
         """Apply a node's block events and packed ``stored`` blocks (or replace its inventory
         by them). False if the node is unknown.
 
@@ -231,8 +241,11 @@ class Membership:
         """Live nodes that take placements: not draining."""
         with self._lock:
             deadline = self._clock() - self.ttl_s
-            return [self._nodes[n] for n in sorted(self._nodes)
-                    if self._nodes[n].last_seen >= deadline and n not in self._draining]
+            return [
+                self._nodes[n]
+                for n in sorted(self._nodes)
+                if self._nodes[n].last_seen >= deadline and n not in self._draining
+            ]
 
     def known(self, node_id: str) -> bool:
         with self._lock:

@@ -68,5 +68,7 @@ class Quotas:
             return
         used = self.used(principal.name)
         if used >= quota:
-            raise QuotaExceeded(f"quota exceeded: tenant {principal.name!r} holds {used} of its {quota} bytes; "
-                                "remove blocks or wait for eviction")
+            raise QuotaExceeded(
+                f"quota exceeded: tenant {principal.name!r} holds {used} of its {quota} bytes; "
+                "remove blocks or wait for eviction"
+            )

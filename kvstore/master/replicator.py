@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 class Replicator:
     """Runs block copies in a small thread pool; ``address_of(node_id)`` finds a node's data address."""
 
-    def __init__(self, address_of: Callable[[str], str | None], credentials: Credentials = NO_CREDENTIALS,
-                 workers: int = 2):
+    def __init__(
+        self, address_of: Callable[[str], str | None], credentials: Credentials = NO_CREDENTIALS, workers: int = 2
+    ):
         self._address_of = address_of
         self._credentials = credentials  # what the master presents to nodes (a node or admin key)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="master-replicate")
@@ -54,4 +55,3 @@ class Replicator:
 
     def stop(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-

@@ -27,7 +27,8 @@ def add_services(server: grpc.Server, servicers: dict[str, object]) -> None:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
                 _parsing(getattr(servicer, method.name), request_type),
                 request_deserializer=None,  # raw bytes: see the module docstring
-                response_serializer=reply_type.SerializeToString)
+                response_serializer=reply_type.SerializeToString,
+            )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
         server.add_registered_method_handlers(service.full_name, handlers)
 

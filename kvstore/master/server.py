@@ -66,13 +66,24 @@ MAX_MESSAGE_BYTES = 64 << 20  # full inventories are large; clients may still sp
 class MasterServer:
     """One master: gRPC service + expiry sweeper (+ Prometheus endpoint when metrics_port is set)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl_s: float = DEFAULT_TTL_S,
-                 heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S, replication_factor: int = 1,
-                 metrics_port: int | None = None, max_workers: int = 8,
-                 clock: Callable[[], float] = time.monotonic, scheduling: SchedulingOptions | None = None,
-                 kv_events: KVEventsOptions | None = None, access: AccessList | None = None,
-                 tls: ServerTLS | None = None, dialing: Credentials | None = None, cost: CostModel | None = None,
-                 etcd: EtcdOptions | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ttl_s: float = DEFAULT_TTL_S,
+        heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+        replication_factor: int = 1,
+        metrics_port: int | None = None,
+        max_workers: int = 8,
+        clock: Callable[[], float] = time.monotonic,
+        scheduling: SchedulingOptions | None = None,
+        kv_events: KVEventsOptions | None = None,
+        access: AccessList | None = None,
+        tls: ServerTLS | None = None,
+        dialing: Credentials | None = None,
+        cost: CostModel | None = None,
+        etcd: EtcdOptions | None = None,
+    ):
         if not 0 < heartbeat_interval_s < ttl_s:
             raise ConfigError(f"need 0 < heartbeat_interval_s < ttl_s, got {heartbeat_interval_s} and {ttl_s}")
         self.host, self._port, self._metrics_port = host, port, metrics_port
@@ -86,10 +97,12 @@ class MasterServer:
             dialing = dataclasses.replace(dialing, key=access.service_key())
         self.replicator = Replicator(self._data_address, dialing)
         self.drainer = Drainer(self.membership, self.replicator)
-        self.servicer = MasterServicer(self.membership, self.placement, heartbeat_interval_s, self.quotas,
-                                       drainer=self.drainer)
-        self.conductor = ConductorServicer(self.index, self.replicator, scheduling or SchedulingOptions(),
-                                           self.servicer._count, cost=cost)
+        self.servicer = MasterServicer(
+            self.membership, self.placement, heartbeat_interval_s, self.quotas, drainer=self.drainer
+        )
+        self.conductor = ConductorServicer(
+            self.index, self.replicator, scheduling or SchedulingOptions(), self.servicer._count, cost=cost
+        )
         self._max_workers = max_workers
         self._sweep_s = max(0.01, min(heartbeat_interval_s, ttl_s / 4))
         self._server: grpc.Server | None = None
@@ -133,8 +146,9 @@ class MasterServer:
             raise
         except (EtcdUnavailable, grpc.RpcError) as exc:
             log.warning("etcd %s not reachable yet (%s): standing by", options.endpoints, exc)
-        self.election = Election(etcd, options.prefix, options.advertise or self.address,
-                                 options.lease_ttl_s, on_elected=self.reset_state).start()
+        self.election = Election(
+            etcd, options.prefix, options.advertise or self.address, options.lease_ttl_s, on_elected=self.reset_state
+        ).start()
 
     def reset_state(self) -> None:
         """Forget every node (and so the whole index): what a master elected leader does first."""
@@ -155,9 +169,12 @@ class MasterServer:
         server = grpc.server(
             ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="master-rpc"),
             interceptors=interceptors or None,
-            options=[("grpc.so_reuseport", 0),  # a second master on a busy port must fail, not share it
-                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+            options=[
+                ("grpc.so_reuseport", 0),  # a second master on a busy port must fail, not share it
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
         add_services(server, {"Master": self.servicer, "Conductor": self.conductor})
         target = f"[{self.host}]:{self._port}" if ":" in self.host else f"{self.host}:{self._port}"
         try:
@@ -178,8 +195,7 @@ class MasterServer:
         self._sweeper = threading.Thread(target=self._sweep, name="master-expiry", daemon=True)
         self._sweeper.start()
         if self._metrics_port is not None:
-            self._metrics = MetricsServer(self._metrics_port, self.collect_metrics, host=self.host,
-                                          access=self.access)
+            self._metrics = MetricsServer(self._metrics_port, self.collect_metrics, host=self.host, access=self.access)
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop accepting RPCs, finish in-flight ones within ``grace`` seconds, stop the threads."""
@@ -243,8 +259,11 @@ class MasterServer:
                 for node_id in self.membership.expire():
                     if self.quotas is not None:
                         self.quotas.forget(node_id)
-                    log.warning("node %s missed its heartbeats for %.1f s: dropped with its blocks",
-                                node_id, self.membership.ttl_s)
+                    log.warning(
+                        "node %s missed its heartbeats for %.1f s: dropped with its blocks",
+                        node_id,
+                        self.membership.ttl_s,
+                    )
             except Exception:  # keep sweeping whatever happens
                 log.exception("expiry sweep failed")
 
@@ -254,33 +273,70 @@ class MasterServer:
         nodes = self.membership.live_nodes()
         samples: list[Sample] = [
             ("kvstore_master_nodes_alive", "Storage nodes with a live lease.", "gauge", {}, len(nodes)),
-            ("kvstore_master_indexed_keys", "Distinct block keys in the global index.", "gauge", {},
-             self.index.size()),
-            ("kvstore_master_namespaces", "Namespaces with at least one indexed key.", "gauge", {},
-             len(self.index.namespaces())),
-            ("kvstore_master_replication_factor", "Default copies per put.", "gauge", {},
-             self.placement.replication_factor),
-            ("kvstore_master_leader", "1 while this master serves (always without --etcd).", "gauge", {},
-             int(self.is_leader)),
+            ("kvstore_master_indexed_keys", "Distinct block keys in the global index.", "gauge", {}, self.index.size()),
+            (
+                "kvstore_master_namespaces",
+                "Namespaces with at least one indexed key.",
+                "gauge",
+                {},
+                len(self.index.namespaces()),
+            ),
+            (
+                "kvstore_master_replication_factor",
+                "Default copies per put.",
+                "gauge",
+                {},
+                self.placement.replication_factor,
+            ),
+            (
+                "kvstore_master_leader",
+                "1 while this master serves (always without --etcd).",
+                "gauge",
+                {},
+                int(self.is_leader),
+            ),
         ]
         for node_id, per_tier in sorted(self.index.node_counts().items()):
             for tier, blocks in per_tier.items():
-                samples.append(("kvstore_master_node_keys", "Blocks indexed per node and tier.", "gauge",
-                                {"node": node_id, "tier": tier}, blocks))
+                samples.append(
+                    (
+                        "kvstore_master_node_keys",
+                        "Blocks indexed per node and tier.",
+                        "gauge",
+                        {"node": node_id, "tier": tier},
+                        blocks,
+                    )
+                )
         for (method, code), calls in sorted(self.servicer.rpc_counts().items()):
-            samples.append(("kvstore_master_rpcs_total", "RPCs served, by method and status code.", "counter",
-                            {"method": method, "code": code}, calls))
+            samples.append(
+                (
+                    "kvstore_master_rpcs_total",
+                    "RPCs served, by method and status code.",
+                    "counter",
+                    {"method": method, "code": code},
+                    calls,
+                )
+            )
         if self._kv_events is not None:
             samples += self._kv_events.samples()
         return samples
 
 
-def run_master(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, ttl_s: float = DEFAULT_TTL_S,
-               heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S, replication_factor: int = 1,
-               metrics_port: int | None = None, grace_s: float = 2.0,
-               on_ready: Callable[[MasterServer], None] | None = None,
-               kv_events: KVEventsOptions | None = None, access: AccessList | None = None,
-               tls: ServerTLS | None = None, etcd: EtcdOptions | None = None) -> None:
+def run_master(
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    *,
+    ttl_s: float = DEFAULT_TTL_S,
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+    replication_factor: int = 1,
+    metrics_port: int | None = None,
+    grace_s: float = 2.0,
+    on_ready: Callable[[MasterServer], None] | None = None,
+    kv_events: KVEventsOptions | None = None,
+    access: AccessList | None = None,
+    tls: ServerTLS | None = None,
+    etcd: EtcdOptions | None = None,
+) -> None:
     """Serve until SIGTERM or SIGINT, then shut down cleanly. Blocks.
 
     Signal handlers are installed only when called from the main thread (and
@@ -290,9 +346,18 @@ def run_master(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, ttl_s: floa
     from kvstore.serving import service_process
 
     signals = service_process()
-    server = MasterServer(host, port, ttl_s=ttl_s, heartbeat_interval_s=heartbeat_interval_s,
-                          replication_factor=replication_factor, metrics_port=metrics_port, kv_events=kv_events,
-                          access=access, tls=tls, etcd=etcd)
+    server = MasterServer(
+        host,
+        port,
+        ttl_s=ttl_s,
+        heartbeat_interval_s=heartbeat_interval_s,
+        replication_factor=replication_factor,
+        metrics_port=metrics_port,
+        kv_events=kv_events,
+        access=access,
+        tls=tls,
+        etcd=etcd,
+    )
     try:
         server.start()
         if on_ready is not None:

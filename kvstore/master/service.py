@@ -126,8 +126,14 @@ def tiers_to_pb(tiers) -> list[pb.TierStats]:
 class MasterServicer(pb_grpc.MasterServicer):
     """Serves the Master service over a PrefixIndex, a Membership and a PlacementPolicy."""
 
-    def __init__(self, membership: Membership, placement: PlacementPolicy, heartbeat_interval_s: float,
-                 quotas: Quotas | None = None, drainer: Drainer | None = None):
+    def __init__(
+        self,
+        membership: Membership,
+        placement: PlacementPolicy,
+        heartbeat_interval_s: float,
+        quotas: Quotas | None = None,
+        drainer: Drainer | None = None,
+    ):
         self.membership = membership
         self.drainer = drainer  # serves Drain; without one Drain is refused (INVALID_ARGUMENT)
         self.quotas = quotas  # tenant quotas (kvstore.master.quotas), when the access file sets any
@@ -156,15 +162,21 @@ class MasterServicer(pb_grpc.MasterServicer):
     def Register(self, request, context):
         info = check_node_info(info_from_pb(request.info))
         self.membership.register(info, credential=credential_of(context))
-        return pb.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s, ttl_s=self.membership.ttl_s,
-                                allowances=self._allowances(info.node_id, None), packed_reports=True)
+        return pb.RegisterReply(
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            ttl_s=self.membership.ttl_s,
+            allowances=self._allowances(info.node_id, None),
+            packed_reports=True,
+        )
 
     @_rpc
     def Heartbeat(self, request, context):
         check_node_id(request.node_id)
         tiers = check_tier_stats(tiers_from_pb(request.tiers))
         known = self.membership.heartbeat(request.node_id, tiers, credential=credential_of(context))
-        return pb.HeartbeatReply(known=known, allowances=self._allowances(request.node_id, request.held) if known else [])
+        return pb.HeartbeatReply(
+            known=known, allowances=self._allowances(request.node_id, request.held) if known else []
+        )
 
     def _allowances(self, node_id: str, held) -> list[pb.TenantBytes]:
         """Record a node's per-tenant figures (None: none yet) and answer its allowances."""
@@ -180,8 +192,13 @@ class MasterServicer(pb_grpc.MasterServicer):
         check_node_id(request.node_id)
         batches = [(b.namespace, [(e.kind, e.tier, e.digest) for e in b.events]) for b in request.batches]
         stored = [(p.namespace, p.tier, unpack_digests(p.digests, p.digest_len)) for p in request.packed]
-        known = self.membership.report(request.node_id, batches, full_inventory=request.full_inventory,
-                                       credential=credential_of(context), stored=stored)
+        known = self.membership.report(
+            request.node_id,
+            batches,
+            full_inventory=request.full_inventory,
+            credential=credential_of(context),
+            stored=stored,
+        )
         return pb.ReportReply(known=known)
 
     @_rpc
@@ -269,16 +286,22 @@ class MasterServicer(pb_grpc.MasterServicer):
         statuses = []
         for state in membership.nodes():
             since = membership.seconds_since(state)
-            statuses.append(pb.NodeStatus(
-                info=info_to_pb(state.info), tiers=tiers_to_pb(state.tiers), alive=since <= membership.ttl_s,
-                seconds_since_heartbeat=since, indexed_blocks=sum(counts.get(state.node_id, {}).values()),
-                draining=membership.is_draining(state.node_id),
-            ))
+            statuses.append(
+                pb.NodeStatus(
+                    info=info_to_pb(state.info),
+                    tiers=tiers_to_pb(state.tiers),
+                    alive=since <= membership.ttl_s,
+                    seconds_since_heartbeat=since,
+                    indexed_blocks=sum(counts.get(state.node_id, {}).values()),
+                    draining=membership.is_draining(state.node_id),
+                )
+            )
         indexed = self.index.size()
         if principal.confined:
             indexed = sum(self.index.namespace_size(ns) for ns in self.index.namespaces() if principal.may_use(ns))
         return pb.ClusterStatusReply(
-            nodes=statuses, indexed_keys=indexed, replication_factor=self.placement.replication_factor)
+            nodes=statuses, indexed_keys=indexed, replication_factor=self.placement.replication_factor
+        )
 
     @_rpc
     def ListKeys(self, request, context):

@@ -49,8 +49,11 @@ def check_node_info(info: NodeIdentity) -> NodeIdentity:
     check_text(info.machine_id, "machine_id")
     check_address(info.data_address, "data_address")
     check_address(info.metrics_address, "metrics_address")
-    if info.unix_socket and (not info.unix_socket.startswith("/") or len(info.unix_socket.encode()) > MAX_PATH_LEN
-                             or not info.unix_socket.isprintable()):
+    if info.unix_socket and (
+        not info.unix_socket.startswith("/")
+        or len(info.unix_socket.encode()) > MAX_PATH_LEN
+        or not info.unix_socket.isprintable()
+    ):
         raise InvalidRequest(f"unix_socket must be an absolute path of at most {MAX_PATH_LEN} bytes")
     if info.shm_arena and not (_NAME.fullmatch(info.shm_arena) and len(info.shm_arena) <= MAX_TEXT_LEN):
         raise InvalidRequest("shm_arena must be a file name (letters, digits, '.', '_', '-'), not a path")
@@ -84,4 +87,4 @@ def unpack_digests(packed: bytes, digest_len: int) -> list[bytes]:
         raise InvalidRequest(f"packed digests are 1..{MAX_DIGEST_LEN} bytes each, got digest_len {digest_len}")
     if len(packed) % digest_len:
         raise InvalidRequest(f"{len(packed)} bytes of packed digests do not split into {digest_len}-byte digests")
-    return [packed[i:i + digest_len] for i in range(0, len(packed), digest_len)]
+    return [packed[i : i + digest_len] for i in range(0, len(packed), digest_len)]

@@ -144,10 +144,18 @@ class StorageNode:
         if opts.unix_socket:
             reap_stale_sockets(shm_dir())
             unix_path = os.path.join(shm_dir(), f"{SOCKET_PREFIX}{self.node_id}{SOCKET_SUFFIX}")
-        self.server = DataPlaneServer(self.store, host=opts.host, port=opts.port, unix_path=unix_path,
-                                      node_id=self.node_id, machine_id=machine_id(), access=opts.access,
-                                      tls=opts.tls.server_context() if opts.tls else None, usage=usage,
-                                      lease_ttl=opts.lease_ttl).start()
+        self.server = DataPlaneServer(
+            self.store,
+            host=opts.host,
+            port=opts.port,
+            unix_path=unix_path,
+            node_id=self.node_id,
+            machine_id=machine_id(),
+            access=opts.access,
+            tls=opts.tls.server_context() if opts.tls else None,
+            usage=usage,
+            lease_ttl=opts.lease_ttl,
+        ).start()
         self.server.puller.credentials = opts.credentials
         if unix_path is not None:
             os.chmod(unix_path, 0o600)  # only this user's clients (connect needs write permission)
@@ -156,26 +164,35 @@ class StorageNode:
             from kvstore.metrics import MetricsServer
             from kvstore.node.node_metrics import node_metrics
 
-            self.metrics = MetricsServer(opts.metrics_port, lambda: node_metrics(self), host=opts.host,
-                                         access=opts.access)
+            self.metrics = MetricsServer(
+                opts.metrics_port, lambda: node_metrics(self), host=opts.host, access=opts.access
+            )
         if opts.master:
             from kvstore.node.master_agent import MasterAgent
 
-            self.agent = MasterAgent(opts.master, self.info(), self.store, credentials=opts.credentials,
-                                     usage=usage).start()
+            self.agent = MasterAgent(
+                opts.master, self.info(), self.store, credentials=opts.credentials, usage=usage
+            ).start()
             self.server.puller.sources = RegisteredPeers(self.agent.live_data_addresses).allows
             if not self.agent.wait_registered(opts.register_wait_s):
                 if self.agent.refused:
-                    log.warning("master %s refuses node id %s (%s): serving, and registering as soon as it "
-                                "accepts", opts.master, self.node_id, self.agent.refused)
+                    log.warning(
+                        "master %s refuses node id %s (%s): serving, and registering as soon as it accepts",
+                        opts.master,
+                        self.node_id,
+                        self.agent.refused,
+                    )
                 else:
                     log.warning("master %s not reachable yet: serving, and registering as soon as it is", opts.master)
         log.info("node %s serving data on %s", self.node_id, self.server.address)
         arena = self.store.dram.arena
         if arena.pages in ("4KiB", "mixed"):
-            log.info("the DRAM arena %s is %s on 4 KiB pages: same-host copies run below memcpy speed; a tmpfs "
-                     "mounted with huge=within_size (--shm-dir), or Linux >= 6.1 with free memory, fixes that",
-                     arena.path, "partly" if arena.pages == "mixed" else "all")
+            log.info(
+                "the DRAM arena %s is %s on 4 KiB pages: same-host copies run below memcpy speed; a tmpfs "
+                "mounted with huge=within_size (--shm-dir), or Linux >= 6.1 with free memory, fixes that",
+                arena.path,
+                "partly" if arena.pages == "mixed" else "all",
+            )
         return self
 
     def info(self) -> pb.NodeInfo:

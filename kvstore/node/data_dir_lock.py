@@ -40,8 +40,10 @@ class DataDirLock:
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise DataDirInUse(f"data dir {self.data_dir} is in use by another kvstore process (pid {holder}, "
-                               f"lock file {self.path}); stop it first or use another --data-dir") from None
+            raise DataDirInUse(
+                f"data dir {self.data_dir} is in use by another kvstore process (pid {holder}, "
+                f"lock file {self.path}); stop it first or use another --data-dir"
+            ) from None
         except BaseException:
             os.close(fd)
             raise

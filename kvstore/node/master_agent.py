@@ -47,16 +47,28 @@ _PACKED_CHUNK = 200_000  # digests a PackedBlocks message: 3.2 MB at 16 bytes, 1
 # that soon after the master does. A refused dial costs the master nothing.
 _RETRY_S = 0.25
 _CHANNEL_OPTIONS = [option for option in GRPC_OPTIONS if "reconnect_backoff" not in option[0]] + [
-    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", int(_RETRY_S * 1000))]
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", int(_RETRY_S * 1000)),
+]
 
 
 def tier_stats(stats: dict) -> list:
     """The store's per-tier stats as protobuf TierStats."""
-    fields = ("capacity", "used", "blocks", "hits", "misses", "evictions", "demotions", "promotions",
-              "checksum_failures")
-    return [pb.TierStats(tier=name, **{f: int(stats[name][f]) for f in fields})
-            for name in ("dram", "ssd") if name in stats]
+    fields = (
+        "capacity",
+        "used",
+        "blocks",
+        "hits",
+        "misses",
+        "evictions",
+        "demotions",
+        "promotions",
+        "checksum_failures",
+    )
+    return [
+        pb.TierStats(tier=name, **{f: int(stats[name][f]) for f in fields}) for name in ("dram", "ssd") if name in stats
+    ]
 
 
 _REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -69,9 +81,17 @@ class MasterAgent:
     drained by the agent thread; deque appends and pops are atomic.
     """
 
-    def __init__(self, master_address: str, info: pb.NodeInfo, store: BlockStore, *,
-                 flush_interval: float = 0.05, max_batch: int = 4096, credentials: Credentials = NO_CREDENTIALS,
-                 usage=None):
+    def __init__(
+        self,
+        master_address: str,
+        info: pb.NodeInfo,
+        store: BlockStore,
+        *,
+        flush_interval: float = 0.05,
+        max_batch: int = 4096,
+        credentials: Credentials = NO_CREDENTIALS,
+        usage=None,
+    ):
         self._usage = usage  # TenantUsage: reported with heartbeats, given the master's allowances
         self.info = info
         self._store = store
@@ -104,11 +124,13 @@ class MasterAgent:
         self._thread.join()
         if self._registration.is_set():
             try:
-                self._stub.Deregister(pb.DeregisterRequest(node_id=self.info.node_id), timeout=2,
-                                      metadata=self._metadata)
+                self._stub.Deregister(
+                    pb.DeregisterRequest(node_id=self.info.node_id), timeout=2, metadata=self._metadata
+                )
             except grpc.RpcError as exc:
-                log.info("could not deregister from the master (%s): it drops this node when its lease lapses",
-                         exc.code())
+                log.info(
+                    "could not deregister from the master (%s): it drops this node when its lease lapses", exc.code()
+                )
         self._channel.unsubscribe(self._on_channel_state)
         self._channel.close()
 
@@ -157,8 +179,12 @@ class MasterAgent:
                     self.refused = exc.details()
                 else:
                     if not self._unreachable:
-                        log.warning("master %s unreachable (%s): retrying every %.2g s", self._master_address,
-                                    exc.code(), min(self._heartbeat_interval, _RETRY_S))
+                        log.warning(
+                            "master %s unreachable (%s): retrying every %.2g s",
+                            self._master_address,
+                            exc.code(),
+                            min(self._heartbeat_interval, _RETRY_S),
+                        )
                     self._unreachable = True
                 self._registration.clear()
                 self._stop.wait(min(self._heartbeat_interval, _RETRY_S))
@@ -171,9 +197,12 @@ class MasterAgent:
 
     def _on_refused(self, details: str) -> None:
         if self.refused is None:
-            log.warning("the master refuses node id %s: %s; retrying until it is free (another process with this "
-                        "node id? it may be this node's previous run, whose lease has not lapsed yet)",
-                        self.info.node_id, details)
+            log.warning(
+                "the master refuses node id %s: %s; retrying until it is free (another process with this "
+                "node id? it may be this node's previous run, whose lease has not lapsed yet)",
+                self.info.node_id,
+                details,
+            )
         self.refused = details
         self._registration.clear()
 
@@ -197,7 +226,9 @@ class MasterAgent:
         held = [pb.TenantBytes(tenant=t, bytes=b) for t, b in self._usage.held().items()] if self._usage else []
         reply = self._stub.Heartbeat(
             pb.HeartbeatRequest(node_id=self.info.node_id, tiers=tier_stats(self._store.stats()), held=held),
-            timeout=5, metadata=self._metadata)
+            timeout=5,
+            metadata=self._metadata,
+        )
         if not reply.known:
             self._registration.clear()
         self._allow(reply.allowances)
@@ -239,16 +270,19 @@ def block_report(node_id: str, events: list, full_inventory: bool) -> pb.BlockRe
     for (namespace, digest), kind, tier in events:
         by_namespace.setdefault(namespace, []).append(pb.BlockEvent(kind=kind, tier=tier, digest=digest))
     return pb.BlockReport(
-        node_id=node_id, full_inventory=full_inventory,
-        batches=[pb.EventBatch(namespace=ns, events=evs) for ns, evs in by_namespace.items()])
+        node_id=node_id,
+        full_inventory=full_inventory,
+        batches=[pb.EventBatch(namespace=ns, events=evs) for ns, evs in by_namespace.items()],
+    )
 
 
 def event_reports(node_id: str, inventory: list):
     """A store's inventory as BlockReports of STORED events (to a master that reads no packed blocks)."""
     for start in range(0, max(len(inventory), 1), _INVENTORY_CHUNK):
         chunk = inventory[start : start + _INVENTORY_CHUNK]
-        yield block_report(node_id, [(key, pb.BlockEvent.STORED, TIER_OF_NAME[tier]) for key, tier in chunk],
-                           full_inventory=start == 0)
+        yield block_report(
+            node_id, [(key, pb.BlockEvent.STORED, TIER_OF_NAME[tier]) for key, tier in chunk], full_inventory=start == 0
+        )
 
 
 def packed_reports(node_id: str, inventory: list):
@@ -257,9 +291,15 @@ def packed_reports(node_id: str, inventory: list):
     groups: dict[tuple, list[bytes]] = collections.defaultdict(list)
     for (namespace, digest), tier in inventory:
         groups[namespace, tier, len(digest)].append(digest)
-    packed = [pb.PackedBlocks(namespace=namespace, tier=TIER_OF_NAME[tier], digest_len=length,
-                              digests=b"".join(digests[start:start + _PACKED_CHUNK]))
-              for (namespace, tier, length), digests in groups.items()
-              for start in range(0, len(digests), _PACKED_CHUNK)]
+    packed = [
+        pb.PackedBlocks(
+            namespace=namespace,
+            tier=TIER_OF_NAME[tier],
+            digest_len=length,
+            digests=b"".join(digests[start : start + _PACKED_CHUNK]),
+        )
+        for (namespace, tier, length), digests in groups.items()
+        for start in range(0, len(digests), _PACKED_CHUNK)
+    ]
     for i in range(max(len(packed), 1)):
-        yield pb.BlockReport(node_id=node_id, full_inventory=i == 0, packed=packed[i:i + 1])
+        yield pb.BlockReport(node_id=node_id, full_inventory=i == 0, packed=packed[i : i + 1])

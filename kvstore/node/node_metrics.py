@@ -19,22 +19,58 @@ def node_metrics(node) -> list[tuple[str, str, str, dict, float]]:
         rows.append(("kvstore_tier_used_bytes", "Bytes held by the tier.", "gauge", labels, s["used"]))
         rows.append(("kvstore_tier_blocks", "Blocks held by the tier.", "gauge", labels, s["blocks"]))
         for name in _COUNTERS:
-            rows.append((f"kvstore_tier_{name}_total", f"Tier {name.replace('_', ' ')} so far.", "counter",
-                         labels, s[name]))
+            rows.append(
+                (f"kvstore_tier_{name}_total", f"Tier {name.replace('_', ' ')} so far.", "counter", labels, s[name])
+            )
     if "ssd" in stats:
-        rows.append(("kvstore_ssd_written_bytes_total", "Payload bytes written to the SSD tier since the node "
-                     "started.", "counter", base, stats["ssd"]["bytes_written"]))
+        rows.append(
+            (
+                "kvstore_ssd_written_bytes_total",
+                "Payload bytes written to the SSD tier since the node started.",
+                "counter",
+                base,
+                stats["ssd"]["bytes_written"],
+            )
+        )
     store = stats["store"]
     rows.append(("kvstore_node_blocks", "Blocks stored on the node.", "gauge", base, store["blocks"]))
     rows.append(("kvstore_node_pinned_blocks", "Pinned blocks.", "gauge", base, store["pinned"]))
-    rows.append(("kvstore_node_inline_evictions_total", "Puts that had to evict inline.", "counter", base,
-                 store["inline_evictions"]))
-    rows.append(("kvstore_node_granted_bytes", "DRAM set aside for same-host writers' next puts (grants).",
-                 "gauge", base, store["granted_bytes"]))
+    rows.append(
+        (
+            "kvstore_node_inline_evictions_total",
+            "Puts that had to evict inline.",
+            "counter",
+            base,
+            store["inline_evictions"],
+        )
+    )
+    rows.append(
+        (
+            "kvstore_node_granted_bytes",
+            "DRAM set aside for same-host writers' next puts (grants).",
+            "gauge",
+            base,
+            store["granted_bytes"],
+        )
+    )
     directory = node.store.dram.directory
     if directory is not None:
-        rows.append(("kvstore_node_directory_blocks", "DRAM blocks same-host clients can read without a round trip.",
-                     "gauge", base, len(directory)))
-        rows.append(("kvstore_node_directory_unpublished_total", "Blocks left out of the block directory "
-                     "(bucket full: read with a lease instead).", "counter", base, directory.unpublished))
+        rows.append(
+            (
+                "kvstore_node_directory_blocks",
+                "DRAM blocks same-host clients can read without a round trip.",
+                "gauge",
+                base,
+                len(directory),
+            )
+        )
+        rows.append(
+            (
+                "kvstore_node_directory_unpublished_total",
+                "Blocks left out of the block directory (bucket full: read with a lease instead).",
+                "counter",
+                base,
+                directory.unpublished,
+            )
+        )
     return rows

@@ -25,8 +25,13 @@ class RegisteredPeers:
     fresh set is looked up again at most every ``min_refresh_s``. Thread-safe.
     """
 
-    def __init__(self, fetch: Callable[[], Iterable[str]], max_age_s: float = 2.0, min_refresh_s: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        fetch: Callable[[], Iterable[str]],
+        max_age_s: float = 2.0,
+        min_refresh_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._fetch = fetch
         self._max_age_s = max_age_s
         self._min_refresh_s = min_refresh_s

@@ -25,8 +25,9 @@ class ReservationOwner:
 
     __slots__ = ("writable", "abort", "check_key", "publish", "grant_ended")
 
-    def __init__(self, *, writable: Callable, abort: Callable, check_key: Callable, publish: Callable,
-                 grant_ended: Callable):
+    def __init__(
+        self, *, writable: Callable, abort: Callable, check_key: Callable, publish: Callable, grant_ended: Callable
+    ):
         self.writable, self.abort, self.check_key = writable, abort, check_key
         self.publish, self.grant_ended = publish, grant_ended
 

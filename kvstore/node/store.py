@@ -57,14 +57,18 @@ class BlockStore:
     ``tiering``: what makes room, called as ``tiering(state, config)`` (default: ``Tiering``;
     a test may pass a subclass with hooks)."""
 
-    def __init__(self, config: StoreConfig | None = None, *, tiering: Callable[..., Tiering] = Tiering,
-                 **overrides):
+    def __init__(self, config: StoreConfig | None = None, *, tiering: Callable[..., Tiering] = Tiering, **overrides):
         self.config = config = config or StoreConfig(**overrides)
         self._local = threading.local()  # .held: the ongoing request's blocks on this thread, or None
         self._granted = 0  # bytes held by grants not bound to a key yet
         self._grant_lock = threading.Lock()
-        dram = DramTier(config.dram_capacity, granule=config.granule, prefault=config.prefault,
-                        arena_name=config.arena_name, directory_slots=config.directory_slots)
+        dram = DramTier(
+            config.dram_capacity,
+            granule=config.granule,
+            prefault=config.prefault,
+            arena_name=config.arena_name,
+            directory_slots=config.directory_slots,
+        )
         ssd = ssd_view = None
         if config.ssd_path is not None:
             from kvstore.tiers.ssd import SsdTier, SsdView
@@ -75,8 +79,13 @@ class BlockStore:
         # The shared state's parts, bound once: the read and write paths use them on every call.
         self._lock, self._table, self._dram, self._ssd = state.lock, state.blocks, dram, ssd
         self._policies, self._counters = state.policies, state.counters
-        self._writes = ReservationOwner(writable=dram.writable, abort=dram.abort, check_key=self.check_key,
-                                        publish=self._commit, grant_ended=self._grant_ended)
+        self._writes = ReservationOwner(
+            writable=dram.writable,
+            abort=dram.abort,
+            check_key=self.check_key,
+            publish=self._commit,
+            grant_ended=self._grant_ended,
+        )
         self._dram_view, self._ssd_view = DramView(dram), ssd_view
         if ssd is not None:
             self._index_ssd()
@@ -182,8 +191,9 @@ class BlockStore:
         with self.reserve(key, len(data), depth=depth) as res:
             res.buffer[:] = data
 
-    def _commit(self, key: BlockKey, extent: Extent, depth: int, expected: int | None = None,
-                 trusted: bool = False) -> None:
+    def _commit(
+        self, key: BlockKey, extent: Extent, depth: int, expected: int | None = None, trusted: bool = False
+    ) -> None:
         """Publish a written extent (called by Reservation.commit); ``trusted``: take ``expected``
         as the checksum without reading the bytes back."""
         checksum = expected if trusted else _checksum(self._dram.writable(extent))

@@ -46,16 +46,32 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import (ClientConnectorError, ClientError, ClientOSError, ClientSession, ClientTimeout,
-                     ServerDisconnectedError, TCPConnector, web)
+from aiohttp import (
+    ClientConnectorError,
+    ClientError,
+    ClientOSError,
+    ClientSession,
+    ClientTimeout,
+    ServerDisconnectedError,
+    TCPConnector,
+    web,
+)
 
 from kvstore_client.errors import KVStoreError, Overloaded
 
 log = logging.getLogger(__name__)
 
 #: fields a chat request's /tokenize call takes from the request (the rest would be refused there)
-CHAT_TOKENIZE_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
-                        "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
+CHAT_TOKENIZE_FIELDS = (
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "mm_processor_kwargs",
+)
 COMPLETION_TOKENIZE_FIELDS = ("prompt", "add_special_tokens")
 #: fields dropped or set for the prefill call (one token, one sequence, not streamed)
 PREFILL_DROPPED = ("stream_options", "best_of", "min_tokens")
@@ -107,8 +123,9 @@ class PoolBackend:
         return records
 
     def schedule(self, keys, input_length: int, output_length: int, request_id: str, namespace: str):
-        return self._client.scheduling.schedule(keys, input_length, output_length, request_id=request_id,
-                                                namespace=namespace)
+        return self._client.scheduling.schedule(
+            keys, input_length, output_length, request_id=request_id, namespace=namespace
+        )
 
     def report(self, namespace: str, request_id: str, stage: str):
         return self._client.scheduling.report_request(namespace, request_id, stage)
@@ -126,7 +143,7 @@ class PoolBackend:
 
 @dataclass
 class Metrics:
-    requests: dict = field(default_factory=dict)    # outcome -> count
+    requests: dict = field(default_factory=dict)  # outcome -> count
     prefix_tokens: int = 0
     prompt_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -136,28 +153,46 @@ class Metrics:
         self.requests[outcome] = self.requests.get(outcome, 0) + 1
 
     def text(self, engines: int) -> str:
-        lines = ["# HELP kvstore_router_requests_total Requests by outcome.",
-                 "# TYPE kvstore_router_requests_total counter"]
+        lines = [
+            "# HELP kvstore_router_requests_total Requests by outcome.",
+            "# TYPE kvstore_router_requests_total counter",
+        ]
         lines += [f'kvstore_router_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.requests.items())]
         for name, value, kind, text in (
-                ("prompt_tokens_total", self.prompt_tokens, "counter", "Prompt tokens of scheduled requests."),
-                ("prefix_tokens_total", self.prefix_tokens, "counter", "Prompt tokens the pool held at schedule."),
-                ("prefill_seconds_total", self.prefill_seconds, "counter", "Seconds spent in prefill calls."),
-                ("decode_seconds_total", self.decode_seconds, "counter", "Seconds spent in decode calls."),
-                ("engines", engines, "gauge", "Engines known from the pool's records.")):
-            lines += [f"# HELP kvstore_router_{name} {text}", f"# TYPE kvstore_router_{name} {kind}",
-                      f"kvstore_router_{name} {value}"]
+            ("prompt_tokens_total", self.prompt_tokens, "counter", "Prompt tokens of scheduled requests."),
+            ("prefix_tokens_total", self.prefix_tokens, "counter", "Prompt tokens the pool held at schedule."),
+            ("prefill_seconds_total", self.prefill_seconds, "counter", "Seconds spent in prefill calls."),
+            ("decode_seconds_total", self.decode_seconds, "counter", "Seconds spent in decode calls."),
+            ("engines", engines, "gauge", "Engines known from the pool's records."),
+        ):
+            lines += [
+                f"# HELP kvstore_router_{name} {text}",
+                f"# TYPE kvstore_router_{name} {kind}",
+                f"kvstore_router_{name} {value}",
+            ]
         return "\n".join(lines) + "\n"
 
 
 class HTTPFailure(Exception):
     """A request ends with this HTTP status and OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None, body: bytes | None = None,
-                 content_type: str = "application/json"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        headers: dict | None = None,
+        body: bytes | None = None,
+        content_type: str = "application/json",
+    ):
         super().__init__(message)
-        self.status, self.kind, self.headers, self.body, self.content_type = status, kind, headers or {}, body, \
-            content_type
+        self.status, self.kind, self.headers, self.body, self.content_type = (
+            status,
+            kind,
+            headers or {},
+            body,
+            content_type,
+        )
 
     def response(self) -> web.Response:
         body = self.body if self.body is not None else json.dumps(error_body(str(self), self.kind, self.status))
@@ -190,9 +225,17 @@ def error_body(message: str, kind: str, code: int) -> dict:
 class Router:
     """The aiohttp handlers (see the module doc). ``backend``: a PoolBackend, or a stand-in in tests."""
 
-    def __init__(self, backend, *, connect_timeout: float = 5.0, read_timeout: float = 60.0,
-                 prefill_timeout: float = 300.0, index_wait_s: float = 1.0, records_ttl_s: float = 2.0,
-                 retry_after_s: int = 1):
+    def __init__(
+        self,
+        backend,
+        *,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        prefill_timeout: float = 300.0,
+        index_wait_s: float = 1.0,
+        records_ttl_s: float = 2.0,
+        retry_after_s: int = 1,
+    ):
         self.backend = backend
         self.connect_timeout, self.read_timeout, self.prefill_timeout = connect_timeout, read_timeout, prefill_timeout
         self.index_wait_s, self.records_ttl_s, self.retry_after_s = index_wait_s, records_ttl_s, retry_after_s
@@ -203,8 +246,9 @@ class Router:
 
     # -- plumbing --------------------------------------------------------------------------------
     async def start(self, app=None) -> None:
-        self._session = ClientSession(connector=TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S),
-                                      auto_decompress=False)
+        self._session = ClientSession(
+            connector=TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S), auto_decompress=False
+        )
 
     async def stop(self, app=None) -> None:
         if self._session is not None:
@@ -221,8 +265,9 @@ class Router:
                 self._records_at = time.monotonic()
             except (KVStoreError, OSError) as exc:
                 if not self._records:
-                    raise HTTPFailure(503, f"cannot read the engine records from the pool: {exc}",
-                                      "service_unavailable") from None
+                    raise HTTPFailure(
+                        503, f"cannot read the engine records from the pool: {exc}", "service_unavailable"
+                    ) from None
                 log.warning("router: engine records not refreshed (%s): using the last ones", exc)
         return self._records
 
@@ -236,9 +281,11 @@ class Router:
             if matching:
                 return matching
         models = sorted({r.model for r in records})
-        raise HTTPFailure(404 if records else 503,
-                          f"no engine serves model {model!r} (served: {', '.join(models) or 'none'})",
-                          "model_not_found" if records else "service_unavailable")
+        raise HTTPFailure(
+            404 if records else 503,
+            f"no engine serves model {model!r} (served: {', '.join(models) or 'none'})",
+            "model_not_found" if records else "service_unavailable",
+        )
 
     # -- endpoints -------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -248,8 +295,9 @@ class Router:
             return failure.response()
         roles = {role for r in records for role in (r.ids or {})}
         ok = {"prefill", "decode"} <= roles
-        return web.json_response({"status": "ok" if ok else "no_engines", "engines": len(records)},
-                                 status=200 if ok else 503)
+        return web.json_response(
+            {"status": "ok" if ok else "no_engines", "engines": len(records)}, status=200 if ok else 503
+        )
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.text(len(self._records)), content_type="text/plain")
@@ -293,15 +341,18 @@ class Router:
         if path == "completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]   # a batch of one
+                prompt = prompt[0]  # a batch of one
             if isinstance(prompt, str):
                 if not prompt:
                     raise HTTPFailure(400, "'prompt' is empty", "invalid_request_error")
             elif isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
                 pass
             elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-                raise HTTPFailure(400, "the router takes one prompt per request (send a batch as separate "
-                                  "requests)", "invalid_request_error")
+                raise HTTPFailure(
+                    400,
+                    "the router takes one prompt per request (send a batch as separate requests)",
+                    "invalid_request_error",
+                )
             else:
                 raise HTTPFailure(400, "'prompt' must be a string or a list of token ids", "invalid_request_error")
             body["prompt"] = prompt
@@ -327,12 +378,18 @@ class Router:
         last = None
         for record in sorted(records, key=lambda r: "prefill" not in (r.ids or {})):
             try:
-                async with self._session.post(f"{record.url}/tokenize", json=query,
-                                              timeout=self.timeout(self.read_timeout)) as resp:
+                async with self._session.post(
+                    f"{record.url}/tokenize", json=query, timeout=self.timeout(self.read_timeout)
+                ) as resp:
                     data = await resp.read()
-                    if resp.status != 200:   # the engine refuses the prompt: its answer is the client's
-                        raise HTTPFailure(resp.status, "tokenize refused", "invalid_request_error", body=data,
-                                          content_type=resp.content_type or "application/json")
+                    if resp.status != 200:  # the engine refuses the prompt: its answer is the client's
+                        raise HTTPFailure(
+                            resp.status,
+                            "tokenize refused",
+                            "invalid_request_error",
+                            body=data,
+                            content_type=resp.content_type or "application/json",
+                        )
                     return list(json.loads(data)["tokens"])
             except (ClientError, asyncio.TimeoutError, KeyError, ValueError) as exc:
                 last = exc
@@ -345,8 +402,9 @@ class Router:
             log.warning("router: report %s of %s failed: %s", stage, request_id, exc)
             return None
 
-    async def _run_once_more(self, request: web.Request, body: dict, path: str, records: list[EngineRecord],
-                             tokens: list[int]) -> web.StreamResponse:
+    async def _run_once_more(
+        self, request: web.Request, body: dict, path: str, records: list[EngineRecord], tokens: list[int]
+    ) -> web.StreamResponse:
         """``_run``; when an engine turned out unreachable (nothing sent to the client yet), that
         engine is deregistered and the request runs once more, scheduled afresh."""
         for attempt in (1, 2):
@@ -376,37 +434,52 @@ class Router:
         for conductor_id in (engine.ids or {}).values():
             try:
                 await asyncio.to_thread(self.backend.deregister, engine.conductor_namespace, conductor_id)
-                log.warning("router: engine %s (%s) is unreachable: deregistered %s from the conductor",
-                            engine.engine_id, engine.url, conductor_id)
+                log.warning(
+                    "router: engine %s (%s) is unreachable: deregistered %s from the conductor",
+                    engine.engine_id,
+                    engine.url,
+                    conductor_id,
+                )
             except (KVStoreError, OSError) as exc:
                 log.warning("router: could not deregister unreachable engine %s: %s", conductor_id, exc)
 
-    async def _run(self, request: web.Request, body: dict, path: str, records: list[EngineRecord],
-                   tokens: list[int]) -> web.StreamResponse:
+    async def _run(
+        self, request: web.Request, body: dict, path: str, records: list[EngineRecord], tokens: list[int]
+    ) -> web.StreamResponse:
         from kvstore_client.vllm_hashing import VLLMBlockHasher
 
         first = records[0]
         namespace = first.conductor_namespace
         by_id = {cid: r for r in records for cid in (r.ids or {}).values()}
         salt = body.get("cache_salt")
-        hasher = VLLMBlockHasher(first.block_size, first.hash_algo, seed=first.hash_seed,
-                                 cache_salt=salt if isinstance(salt, str) else None)
+        hasher = VLLMBlockHasher(
+            first.block_size, first.hash_algo, seed=first.hash_seed, cache_salt=salt if isinstance(salt, str) else None
+        )
         keys = [(namespace, h) for h in hasher.hashes(tokens)]
         output_length = body.get("max_tokens") or body.get("max_completion_tokens") or 0
         request_id = uuid.uuid4().hex
         try:
-            where = await asyncio.to_thread(self.backend.schedule, keys, len(tokens), output_length, request_id,
-                                            namespace)
+            where = await asyncio.to_thread(
+                self.backend.schedule, keys, len(tokens), output_length, request_id, namespace
+            )
         except Overloaded as exc:
-            raise HTTPFailure(429, str(exc), "overloaded", {"Retry-After": str(self.retry_after_s),
-                                                            "x-kvstore-reject-reason": exc.reason or ""}) from None
+            raise HTTPFailure(
+                429,
+                str(exc),
+                "overloaded",
+                {"Retry-After": str(self.retry_after_s), "x-kvstore-reject-reason": exc.reason or ""},
+            ) from None
         except (KVStoreError, OSError) as exc:
             raise HTTPFailure(503, f"the conductor did not answer: {exc}", "service_unavailable") from None
         self.metrics.prompt_tokens += len(tokens)
         self.metrics.prefix_tokens += where.prefix_tokens
-        headers = {"x-kvstore-request-id": request_id, "x-kvstore-prefill-engine": where.prefill_engine,
-                   "x-kvstore-decode-engine": where.decode_engine, "x-kvstore-prefix-blocks": str(where.prefix_blocks),
-                   "x-kvstore-prefix-tokens": str(where.prefix_tokens)}
+        headers = {
+            "x-kvstore-request-id": request_id,
+            "x-kvstore-prefill-engine": where.prefill_engine,
+            "x-kvstore-decode-engine": where.decode_engine,
+            "x-kvstore-prefix-blocks": str(where.prefix_blocks),
+            "x-kvstore-prefix-tokens": str(where.prefix_tokens),
+        }
         finished = False
         try:
             prefill = by_id.get(where.prefill_engine) or await self._record(where.prefill_engine)
@@ -415,13 +488,18 @@ class Router:
                 await self._prefill(prefill, body, path)
             finally:
                 await started
-            reply, _ = await asyncio.gather(self._report(namespace, request_id, "prefill_finished"),
-                                            self._wait_indexed(keys))
+            reply, _ = await asyncio.gather(
+                self._report(namespace, request_id, "prefill_finished"), self._wait_indexed(keys)
+            )
             if reply is not None and reply.rejected:
-                finished = True   # the conductor ended it
-                raise HTTPFailure(429, f"{reply.reason}: {reply.detail}", "overloaded",
-                                  {"Retry-After": str(self.retry_after_s), "x-kvstore-reject-reason": reply.reason})
-            decode_id = (reply.decode_engine if reply is not None and reply.decode_engine else where.decode_engine)
+                finished = True  # the conductor ended it
+                raise HTTPFailure(
+                    429,
+                    f"{reply.reason}: {reply.detail}",
+                    "overloaded",
+                    {"Retry-After": str(self.retry_after_s), "x-kvstore-reject-reason": reply.reason},
+                )
+            decode_id = reply.decode_engine if reply is not None and reply.decode_engine else where.decode_engine
             headers["x-kvstore-decode-engine"] = decode_id
             decode = by_id.get(decode_id) or await self._record(decode_id)
             response = await self._decode(request, decode, body, path, headers)
@@ -436,8 +514,9 @@ class Router:
         for r in await self.records(refresh=True):
             if conductor_id in (r.ids or {}).values():
                 return r
-        raise HTTPFailure(502, f"the conductor chose engine {conductor_id!r}, which has no record in the pool",
-                          "bad_gateway")
+        raise HTTPFailure(
+            502, f"the conductor chose engine {conductor_id!r}, which has no record in the pool", "bad_gateway"
+        )
 
     async def _prefill(self, engine: EngineRecord, body: dict, path: str) -> None:
         job = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
@@ -447,19 +526,25 @@ class Router:
         start = time.perf_counter()
         resp = None
         try:
-            async with self._session.post(f"{engine.url}/v1/{path}", json=job,
-                                          timeout=self.timeout(self.prefill_timeout)) as resp:
+            async with self._session.post(
+                f"{engine.url}/v1/{path}", json=job, timeout=self.timeout(self.prefill_timeout)
+            ) as resp:
                 data = await resp.read()
                 if resp.status != 200:
-                    raise HTTPFailure(resp.status, "prefill refused", "prefill_error", body=data,
-                                      content_type=resp.content_type or "application/json")
+                    raise HTTPFailure(
+                        resp.status,
+                        "prefill refused",
+                        "prefill_error",
+                        body=data,
+                        content_type=resp.content_type or "application/json",
+                    )
         except asyncio.TimeoutError:
-            raise HTTPFailure(504, f"prefill engine {engine.engine_id} did not answer in time", "gateway_timeout") \
-                from None
+            raise HTTPFailure(
+                504, f"prefill engine {engine.engine_id} did not answer in time", "gateway_timeout"
+            ) from None
         except ClientError as exc:
             if resp is None and connection_lost(exc):
-                raise EngineUnreachable(engine, f"prefill engine {engine.engine_id} is unreachable: {exc!r}") \
-                    from None
+                raise EngineUnreachable(engine, f"prefill engine {engine.engine_id} is unreachable: {exc!r}") from None
             raise HTTPFailure(502, f"prefill engine {engine.engine_id} failed: {exc!r}", "bad_gateway") from None
         finally:
             self.metrics.prefill_seconds += time.perf_counter() - start
@@ -480,41 +565,54 @@ class Router:
                 return
             await asyncio.sleep(0.01)
 
-    async def _decode(self, request: web.Request, engine: EngineRecord, body: dict, path: str,
-                      headers: dict) -> web.StreamResponse:
+    async def _decode(
+        self, request: web.Request, engine: EngineRecord, body: dict, path: str, headers: dict
+    ) -> web.StreamResponse:
         start = time.perf_counter()
         try:
             return await self._relay(request, engine, body, path, headers)
         finally:
             self.metrics.decode_seconds += time.perf_counter() - start
 
-    async def _relay(self, request: web.Request, engine: EngineRecord, body: dict, path: str,
-                     headers: dict) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.Request, engine: EngineRecord, body: dict, path: str, headers: dict
+    ) -> web.StreamResponse:
         try:
             resp = await self._session.post(f"{engine.url}/v1/{path}", json=body, timeout=self.timeout())
         except asyncio.TimeoutError:
-            raise HTTPFailure(504, f"decode engine {engine.engine_id} did not answer in time", "gateway_timeout",
-                              headers) from None
+            raise HTTPFailure(
+                504, f"decode engine {engine.engine_id} did not answer in time", "gateway_timeout", headers
+            ) from None
         except ClientError as exc:
             if connection_lost(exc):
-                raise EngineUnreachable(engine, f"decode engine {engine.engine_id} is unreachable: {exc!r}",
-                                        headers) from None
-            raise HTTPFailure(502, f"decode engine {engine.engine_id} failed: {exc!r}", "bad_gateway",
-                              headers) from None
+                raise EngineUnreachable(
+                    engine, f"decode engine {engine.engine_id} is unreachable: {exc!r}", headers
+                ) from None
+            raise HTTPFailure(
+                502, f"decode engine {engine.engine_id} failed: {exc!r}", "bad_gateway", headers
+            ) from None
         async with resp:
             streaming = body.get("stream") and resp.status == 200 and resp.content_type == "text/event-stream"
             if not streaming:
                 try:
                     data = await resp.read()
                 except asyncio.TimeoutError:
-                    raise HTTPFailure(504, f"decode engine {engine.engine_id} stalled", "gateway_timeout",
-                                      headers) from None
+                    raise HTTPFailure(
+                        504, f"decode engine {engine.engine_id} stalled", "gateway_timeout", headers
+                    ) from None
                 except ClientError as exc:
-                    raise HTTPFailure(502, f"decode engine {engine.engine_id} failed mid-answer: {exc!r}",
-                                      "bad_gateway", headers) from None
+                    raise HTTPFailure(
+                        502, f"decode engine {engine.engine_id} failed mid-answer: {exc!r}", "bad_gateway", headers
+                    ) from None
                 if resp.status != 200:
-                    raise HTTPFailure(resp.status, "decode refused", "decode_error", headers, body=data,
-                                      content_type=resp.content_type or "application/json")
+                    raise HTTPFailure(
+                        resp.status,
+                        "decode refused",
+                        "decode_error",
+                        headers,
+                        body=data,
+                        content_type=resp.content_type or "application/json",
+                    )
                 return web.Response(status=200, body=data, content_type=resp.content_type, headers=headers)
             out = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
             out.content_type = "text/event-stream"

@@ -43,7 +43,7 @@ from kvstore_client.errors import ConfigError
 @dataclass
 class _Tracked:
     tokens: int
-    start: float          # predicted decode start (in prefill) or actual decode start (decoding)
+    start: float  # predicted decode start (in prefill) or actual decode start (decoding)
     decoding: bool = False
 
 
@@ -87,7 +87,7 @@ class DecodeLoadPredictor:
 
     def __init__(self, tbt_slo: float, initial_output_tokens: float = 512.0, window: int = 1000) -> None:
         tbt = tbt_slo if tbt_slo != float("inf") else 0.1
-        self._durations: list[float] = [initial_output_tokens * tbt]   # sorted
+        self._durations: list[float] = [initial_output_tokens * tbt]  # sorted
         self._recent: deque = deque()
         self._window = window
         self._seeded = True
@@ -125,7 +125,7 @@ class DecodeLoadPredictor:
         censored = now - decoding_starts
         times = np.concatenate([done, censored])
         died = np.concatenate([np.ones(len(done)), np.zeros(len(censored))])
-        order = np.lexsort((-died, times))   # by time; a death before a censoring at the same time
+        order = np.lexsort((-died, times))  # by time; a death before a censoring at the same time
         times, died = times[order], died[order]
         at_risk = len(times) - np.arange(len(times))
         return times, np.cumprod(1.0 - died / at_risk)

@@ -59,11 +59,11 @@ DEFAULT_MAX_REQUESTS = 100_000  # requests in flight per namespace; past it, sch
 
 
 class RejectReason(str, Enum):
-    TTFT_SLO = "ttft_slo"                          # estimated TTFT above the TTFT SLO
-    DECODE_OVERLOADED = "decode_overloaded"        # the decode instance (pool, at arrival) is at its limit now
+    TTFT_SLO = "ttft_slo"  # estimated TTFT above the TTFT SLO
+    DECODE_OVERLOADED = "decode_overloaded"  # the decode instance (pool, at arrival) is at its limit now
     DECODE_PREDICTED = "decode_predicted_overloaded"  # predicted decode load too high at arrival in decode
-    NO_INSTANCE = "no_instance"                    # no prefill or decode instance registered
-    TOO_MANY_REQUESTS = "too_many_requests"        # max_requests already in flight: memory stays bounded
+    NO_INSTANCE = "no_instance"  # no prefill or decode instance registered
+    TOO_MANY_REQUESTS = "too_many_requests"  # max_requests already in flight: memory stays bounded
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,14 @@ class Decision:
     """Where a request runs. Block counts are in blocks of ``block_tokens``; times in seconds."""
 
     request_id: object
-    prefill: str                 # prefill instance id
-    prefill_node: str            # its storage node (where fetched blocks are replicated)
-    decode: str | None           # decode instance paired with the request (KV streams there)
-    prefix_blocks: int           # blocks reused (local + fetched)
-    prefix_len: int              # tokens reused
-    local_blocks: int            # blocks already on the prefill node
-    fetch_from: str | None       # node to fetch the missing prefix blocks from
-    fetch_blocks: tuple          # digests to copy from fetch_from to prefill_node, in chain order
+    prefill: str  # prefill instance id
+    prefill_node: str  # its storage node (where fetched blocks are replicated)
+    decode: str | None  # decode instance paired with the request (KV streams there)
+    prefix_blocks: int  # blocks reused (local + fetched)
+    prefix_len: int  # tokens reused
+    local_blocks: int  # blocks already on the prefill node
+    fetch_from: str | None  # node to fetch the missing prefix blocks from
+    fetch_blocks: tuple  # digests to copy from fetch_from to prefill_node, in chain order
     est_queue_s: float
     est_transfer_s: float
     est_prefill_s: float
@@ -97,7 +97,7 @@ class Rejected:
 
     request_id: object
     reason: RejectReason
-    stage: str                   # "arrival" or "decode" (after prefill: the prefill was wasted)
+    stage: str  # "arrival" or "decode" (after prefill: the prefill was wasted)
     est_ttft_s: float = INF
     detail: str = ""
 
@@ -118,20 +118,31 @@ class DecodeAssignment:
 @dataclass
 class _Request:
     prefill: str
-    tokens: int                  # context tokens in decode: input + output
-    paired: str | None = None    # decode instance chosen at arrival
-    decode: str | None = None    # decode instance running it
-    deadline: float = INF        # expires then unless reported again (request_ttl after the last report)
+    tokens: int  # context tokens in decode: input + output
+    paired: str | None = None  # decode instance chosen at arrival
+    decode: str | None = None  # decode instance running it
+    deadline: float = INF  # expires then unless reported again (request_ttl after the last report)
 
 
 class Conductor:
     """Prefill/decode placement with the FAST'25 Algorithm 1 and early rejection. See the module doc."""
 
-    def __init__(self, index: PrefixMatcher, cost: CostModel | None = None, *, policy: str = "kvcache_centric",
-                 admission: str = "off", ttft_slo: float = INF, tbt_slo: float = INF,
-                 namespace: str = "default", clock: Clock | None = None, seed: int = 0,
-                 balancing_threshold: int = 0, request_ttl: float = INF,
-                 max_requests: int = DEFAULT_MAX_REQUESTS) -> None:
+    def __init__(
+        self,
+        index: PrefixMatcher,
+        cost: CostModel | None = None,
+        *,
+        policy: str = "kvcache_centric",
+        admission: str = "off",
+        ttft_slo: float = INF,
+        tbt_slo: float = INF,
+        namespace: str = "default",
+        clock: Clock | None = None,
+        seed: int = 0,
+        balancing_threshold: int = 0,
+        request_ttl: float = INF,
+        max_requests: int = DEFAULT_MAX_REQUESTS,
+    ) -> None:
         if not request_ttl > 0:
             raise ConfigError(f"request_ttl must be positive, got {request_ttl}")
         if max_requests < 1:
@@ -148,9 +159,9 @@ class Conductor:
         self.predictor = DecodeLoadPredictor(self.tbt_slo)
         self._token_limit = self.cost.decode_token_limit(self.tbt_slo)
         self.request_ttl = float(request_ttl)
-        self.expired = 0                                  # requests forgotten by the TTL, ever
+        self.expired = 0  # requests forgotten by the TTL, ever
         self._requests: dict[object, _Request] = {}
-        self._deadlines: list = []                        # heap of (deadline, seq, request id); stale entries skipped
+        self._deadlines: list = []  # heap of (deadline, seq, request id); stale entries skipped
         self._seq = itertools.count()
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -175,7 +186,7 @@ class Conductor:
             role = self.registry.role(instance_id)
             if role is None:
                 return None
-            if role == "prefill":   # not yet in decode: its prefill is lost
+            if role == "prefill":  # not yet in decode: its prefill is lost
                 ended = [rid for rid, r in self._requests.items() if r.prefill == instance_id and r.decode is None]
             else:
                 ended = [rid for rid, r in self._requests.items() if r.decode == instance_id]
@@ -183,12 +194,20 @@ class Conductor:
                 self._end(rid)
             for req in self._requests.values():
                 if req.paired == instance_id:
-                    req.paired = None   # the reservation leaves with the instance
+                    req.paired = None  # the reservation leaves with the instance
             self.registry.remove(instance_id)
             return len(ended)
 
-    def report_load(self, instance_id: str, *, queue_len: int = 0, busy_s: float = 0.0, batch: int = 0,
-                    context_tokens: int = 0, now: float | None = None) -> str:
+    def report_load(
+        self,
+        instance_id: str,
+        *,
+        queue_len: int = 0,
+        busy_s: float = 0.0,
+        batch: int = 0,
+        context_tokens: int = 0,
+        now: float | None = None,
+    ) -> str:
         """An engine's own view of its load, read by the role it registered with (the other
         role's fields are ignored); zeros mean idle. Returns the role; InvalidRequest if unknown."""
         now = self._now(now)
@@ -213,8 +232,9 @@ class Conductor:
             self.registry.report_decode_load(instance_id, batch, context_tokens)
 
     # -- the decision -----------------------------------------------------------------------
-    def schedule(self, block_keys: Sequence, input_len: int, output_len: int = 0, now: float | None = None,
-                 request_id=None) -> Decision | Rejected:
+    def schedule(
+        self, block_keys: Sequence, input_len: int, output_len: int = 0, now: float | None = None, request_id=None
+    ) -> Decision | Rejected:
         """Place one request (Algorithm 1 + admission). ``block_keys``: the request's chained block
         digests (bytes) or engine hash ids (ints / hex), one per ``block_tokens`` tokens."""
         now = self._now(now)
@@ -231,8 +251,12 @@ class Conductor:
             elif request_id in self._requests:
                 raise InvalidRequest(f"request {request_id!r} is already scheduled")
             if len(self._requests) >= self.max_requests:  # callers that never report must not grow the master
-                return Rejected(request_id, RejectReason.TOO_MANY_REQUESTS, "arrival",
-                                detail=f"{len(self._requests)} requests in flight in namespace {self.namespace!r}")
+                return Rejected(
+                    request_id,
+                    RejectReason.TOO_MANY_REQUESTS,
+                    "arrival",
+                    detail=f"{len(self._requests)} requests in flight in namespace {self.namespace!r}",
+                )
             instances = self.registry.prefill_instances()
             if not instances:
                 return Rejected(request_id, RejectReason.NO_INSTANCE, "arrival", detail="no prefill instance")
@@ -255,8 +279,13 @@ class Conductor:
         adm = self.admission
         ttft = placement.ttft_s
         if adm.check_ttft_at_arrival and ttft > self.ttft_slo:
-            return Rejected(request_id, RejectReason.TTFT_SLO, "arrival", ttft,
-                            f"estimated TTFT {ttft:.2f}s > SLO {self.ttft_slo:.2f}s")
+            return Rejected(
+                request_id,
+                RejectReason.TTFT_SLO,
+                "arrival",
+                ttft,
+                f"estimated TTFT {ttft:.2f}s > SLO {self.ttft_slo:.2f}s",
+            )
         if not adm.check_decode_at_arrival:
             return None
         if pick.instance is None:
@@ -265,26 +294,40 @@ class Conductor:
             predicted = self.predictor.tokens_at(now + ttft, now) + tokens
             limit = sum(d.token_limit for d in self.registry.decode_instances())
             if predicted > limit:
-                return Rejected(request_id, RejectReason.DECODE_PREDICTED, "arrival", ttft,
-                                f"predicted decode tokens {predicted:.0f} > {limit}")
+                return Rejected(
+                    request_id,
+                    RejectReason.DECODE_PREDICTED,
+                    "arrival",
+                    ttft,
+                    f"predicted decode tokens {predicted:.0f} > {limit}",
+                )
         else:
             load = self._decode_pool_load()
             if load >= 1.0:
-                return Rejected(request_id, RejectReason.DECODE_OVERLOADED, "arrival", ttft,
-                                f"decode pool load {load:.2f} >= 1")
+                return Rejected(
+                    request_id, RejectReason.DECODE_OVERLOADED, "arrival", ttft, f"decode pool load {load:.2f} >= 1"
+                )
         return None
 
     def _decision(self, request_id, placement: PrefillChoice, pick, digests: list, input_len: int) -> Decision:
         inst = placement.instance
-        fetch = tuple(digests[placement.local_blocks:placement.prefix_blocks]) if placement.fetch_from else ()
+        fetch = tuple(digests[placement.local_blocks : placement.prefix_blocks]) if placement.fetch_from else ()
         return Decision(
-            request_id=request_id, prefill=inst.instance_id, prefill_node=inst.node_id,
+            request_id=request_id,
+            prefill=inst.instance_id,
+            prefill_node=inst.node_id,
             decode=pick.instance.instance_id if pick.instance else None,
             prefix_blocks=placement.prefix_blocks,
             prefix_len=self.cost.cached_tokens(input_len, placement.prefix_blocks),
-            local_blocks=placement.local_blocks, fetch_from=placement.fetch_from, fetch_blocks=fetch,
-            est_queue_s=placement.queue_s, est_transfer_s=placement.transfer_s,
-            est_prefill_s=placement.prefill_s, est_ttft_s=placement.ttft_s, est_tbt_s=pick.tbt_s)
+            local_blocks=placement.local_blocks,
+            fetch_from=placement.fetch_from,
+            fetch_blocks=fetch,
+            est_queue_s=placement.queue_s,
+            est_transfer_s=placement.transfer_s,
+            est_prefill_s=placement.prefill_s,
+            est_ttft_s=placement.ttft_s,
+            est_tbt_s=pick.tbt_s,
+        )
 
     # -- lifecycle reports --------------------------------------------------------------------
     def prefill_started(self, request_id, now: float | None = None) -> None:
@@ -315,8 +358,12 @@ class Conductor:
             if pick.instance is None:
                 reject = Rejected(request_id, RejectReason.NO_INSTANCE, "decode", detail="no decode instance")
             elif self.admission.reject_at_decode and pick.full:
-                reject = Rejected(request_id, RejectReason.DECODE_OVERLOADED, "decode",
-                                  detail=f"{pick.instance.instance_id} load {pick.load:.2f} >= 1")
+                reject = Rejected(
+                    request_id,
+                    RejectReason.DECODE_OVERLOADED,
+                    "decode",
+                    detail=f"{pick.instance.instance_id} load {pick.load:.2f} >= 1",
+                )
             if reject is not None:
                 del self._requests[request_id]
                 self.predictor.finished(request_id)
@@ -394,10 +441,14 @@ class Conductor:
         with self._lock:
             self._expire(now)
             return {
-                "prefill": {i.instance_id: {"assigned": i.assigned(), "queue_s": i.queue_time(now)}
-                            for i in self.registry.prefill_instances()},
-                "decode": {d.instance_id: {"batch": d.batch(), "tokens": d.tokens(), "token_limit": d.token_limit}
-                           for d in self.registry.decode_instances()},
+                "prefill": {
+                    i.instance_id: {"assigned": i.assigned(), "queue_s": i.queue_time(now)}
+                    for i in self.registry.prefill_instances()
+                },
+                "decode": {
+                    d.instance_id: {"batch": d.batch(), "tokens": d.tokens(), "token_limit": d.token_limit}
+                    for d in self.registry.decode_instances()
+                },
             }
 
     def decode_pool_load(self) -> float:

@@ -45,15 +45,15 @@ from kvstore_client.errors import ConfigError
 class CostParams:
     """Every parameter of the cost model (SI units: tokens, bytes, seconds, FLOP/s)."""
 
-    layers: int = 80                 # l
-    hidden: int = 8192               # d
-    attn_coeff: float = 4.0          # a: attention FLOPs ~ a*n^2*d per layer
-    linear_coeff: float = 22.0       # b: linear-layer FLOPs ~ b*n*d^2 per layer
-    gqa: int = 8                     # query heads per KV head
-    dtype_bytes: int = 2             # s
+    layers: int = 80  # l
+    hidden: int = 8192  # d
+    attn_coeff: float = 4.0  # a: attention FLOPs ~ a*n^2*d per layer
+    linear_coeff: float = 22.0  # b: linear-layer FLOPs ~ b*n*d^2 per layer
+    gqa: int = 8  # query heads per KV head
+    dtype_bytes: int = 2  # s
     kv_bytes_per_token: int = 327_680  # 320 KiB
     block_tokens: int = 512
-    peak_flops: float = 8 * 312e12   # G: one prefill instance = 8 x A800
+    peak_flops: float = 8 * 312e12  # G: one prefill instance = 8 x A800
     mfu: float = 0.35
     prefill_overhead_s: float = 0.0
     transfer_bandwidth: float = 25e9  # bytes/s for fetched prefix blocks
@@ -65,9 +65,20 @@ class CostParams:
     decode_kv_tokens: int = 1_330_000
 
     def __post_init__(self) -> None:
-        positive = ("layers", "hidden", "block_tokens", "peak_flops", "mfu", "transfer_bandwidth",
-                    "kv_bytes_per_token", "hbm_bandwidth", "hbm_efficiency", "decode_kv_tokens", "gqa",
-                    "dtype_bytes")
+        positive = (
+            "layers",
+            "hidden",
+            "block_tokens",
+            "peak_flops",
+            "mfu",
+            "transfer_bandwidth",
+            "kv_bytes_per_token",
+            "hbm_bandwidth",
+            "hbm_efficiency",
+            "decode_kv_tokens",
+            "gqa",
+            "dtype_bytes",
+        )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"cost model: {name} must be positive, got {getattr(self, name)}")
@@ -172,8 +183,12 @@ class CostModel:
     def reuse_beats_recompute(self, prefix_tokens: int) -> bool:
         """FAST'25's condition B/G > 2ds / (gqa*(a*p*d + b*d^2)), with G at the configured MFU."""
         p = self.params
-        rhs = 2 * p.hidden * p.dtype_bytes / (p.gqa * (p.attn_coeff * prefix_tokens * p.hidden
-                                                       + p.linear_coeff * p.hidden * p.hidden))
+        rhs = (
+            2
+            * p.hidden
+            * p.dtype_bytes
+            / (p.gqa * (p.attn_coeff * prefix_tokens * p.hidden + p.linear_coeff * p.hidden * p.hidden))
+        )
         return p.transfer_bandwidth / self._effective_flops > rhs
 
     # -- decode -----------------------------------------------------------------------------

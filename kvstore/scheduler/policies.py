@@ -38,8 +38,8 @@ from kvstore_client.errors import ConfigError
 class Prefix:
     """What the index says about one request: per node, the leading blocks it holds."""
 
-    per_node: dict                 # node id -> leading blocks held by that node
-    best_node: str | None = None   # the node holding the longest prefix (ties: smallest id)
+    per_node: dict  # node id -> leading blocks held by that node
+    best_node: str | None = None  # the node holding the longest prefix (ties: smallest id)
     best_blocks: int = 0
 
     @classmethod
@@ -55,9 +55,9 @@ class PrefillChoice:
     """Where one request's prefill runs and what it reuses."""
 
     instance: PrefillInstance
-    local_blocks: int          # prefix blocks on the instance's own node
-    prefix_blocks: int         # blocks reused in total (local, or fetched up to this)
-    fetch_from: str | None     # node the missing prefix blocks come from
+    local_blocks: int  # prefix blocks on the instance's own node
+    prefix_blocks: int  # blocks reused in total (local, or fetched up to this)
+    fetch_from: str | None  # node the missing prefix blocks come from
     queue_s: float
     transfer_s: float
     prefill_s: float
@@ -81,8 +81,9 @@ class PrefillPolicy:
 
     name = ""
 
-    def choose(self, input_len: int, prefix: Prefix, instances: Sequence[PrefillInstance],
-               cost: CostModel, now: float) -> PrefillChoice:
+    def choose(
+        self, input_len: int, prefix: Prefix, instances: Sequence[PrefillInstance], cost: CostModel, now: float
+    ) -> PrefillChoice:
         raise NotImplementedError
 
     @staticmethod
@@ -142,8 +143,15 @@ class KVCacheCentricPolicy(PrefillPolicy):
             option = self.local(inst, input_len, prefix, cost, now)
             missing = best_blocks - option.local_blocks
             if missing > self.balancing_threshold:
-                fetched = PrefillChoice(inst, option.local_blocks, best_blocks, best_node, option.queue_s,
-                                    cost.transfer_time(missing), full_prefill)
+                fetched = PrefillChoice(
+                    inst,
+                    option.local_blocks,
+                    best_blocks,
+                    best_node,
+                    option.queue_s,
+                    cost.transfer_time(missing),
+                    full_prefill,
+                )
                 if fetched.ttft_s < option.ttft_s:
                     option = fetched
             if best is None or option.ttft_s < best.ttft_s:

@@ -33,12 +33,12 @@ class PrefillInstance:
 
     instance_id: str
     node_id: str
-    queued: dict = field(default_factory=dict)   # request id -> estimated seconds, FIFO order
+    queued: dict = field(default_factory=dict)  # request id -> estimated seconds, FIFO order
     queued_s: float = 0.0
-    running: object = None                        # request id or None
+    running: object = None  # request id or None
     run_start: float = 0.0
     run_est: float = 0.0
-    reported_busy_s: float = 0.0                  # engine-reported backlog, at reported_at
+    reported_busy_s: float = 0.0  # engine-reported backlog, at reported_at
     reported_at: float = 0.0
     reported_queue_len: int = 0
 
@@ -64,8 +64,8 @@ class DecodeInstance:
 
     instance_id: str
     node_id: str
-    token_limit: int = 0                          # context tokens it holds within the TBT SLO
-    running: dict = field(default_factory=dict)   # request id -> context tokens
+    token_limit: int = 0  # context tokens it holds within the TBT SLO
+    running: dict = field(default_factory=dict)  # request id -> context tokens
     context_tokens: int = 0
     reserved: dict = field(default_factory=dict)  # request id -> tokens: paired at arrival, still in prefill
     reserved_tokens: int = 0

@@ -90,8 +90,9 @@ class AccessList:
         except OSError as exc:
             raise ConfigError(f"cannot read access file {path}: {exc.strerror or exc}") from None
         if mode & 0o077:
-            raise ConfigError(f"{path} is readable by others (mode {mode:04o}): it holds the tokens' keys; "
-                              f"chmod 600 {path}")
+            raise ConfigError(
+                f"{path} is readable by others (mode {mode:04o}): it holds the tokens' keys; chmod 600 {path}"
+            )
         return cls.parse(read_toml(path, "access file"), path)
 
     @classmethod
@@ -162,8 +163,10 @@ def _entry(name: str, body, source: str) -> Entry:
         raise ConfigError(f"{where}: give exactly one of secret and secret_sha256")
     if secret is not None:
         if not isinstance(secret, str) or len(secret) < MIN_SECRET_CHARS or secret != secret.strip():
-            raise ConfigError(f"{where}: a secret is a string of at least {MIN_SECRET_CHARS} characters without "
-                              "surrounding blanks (`kvstore token` makes one)")
+            raise ConfigError(
+                f"{where}: a secret is a string of at least {MIN_SECRET_CHARS} characters without "
+                "surrounding blanks (`kvstore token` makes one)"
+            )
         key = DataKey.of_token(secret)
     else:
         if not isinstance(hashed, str) or not _HEX.match(hashed):
@@ -175,14 +178,14 @@ def _entry(name: str, body, source: str) -> Entry:
             raise ConfigError(f"{where}: namespaces and quota are for tenants; a {role} reaches every namespace")
         return Entry(Principal(name, role), key, secret)
     if not isinstance(namespaces, list) or not namespaces:
-        raise ConfigError(f"{where}: a tenant needs namespaces = [\"name\", \"prefix-*\", ...]")
+        raise ConfigError(f'{where}: a tenant needs namespaces = ["name", "prefix-*", ...]')
     for pattern in namespaces:
         _check_pattern(pattern, where)
     if quota is not None:
         try:
             quota = parse_size(quota)
         except (ConfigError, TypeError):
-            raise ConfigError(f"{where}: quota must be a size such as \"64GiB\", got {quota!r}") from None
+            raise ConfigError(f'{where}: quota must be a size such as "64GiB", got {quota!r}') from None
     return Entry(Principal(name, TENANT, tuple(namespaces), quota), key, secret)
 
 

@@ -54,7 +54,7 @@ def require_namespace(namespace: str) -> None:
 
 
 def short_name(method: str) -> str:
-    """"/kvstore.v1.Master/Register" -> "Master/Register"."""
+    """ "/kvstore.v1.Master/Register" -> "Master/Register"."""
     service, _, name = method.lstrip("/").rpartition("/")
     return f"{service.rpartition('.')[2]}/{name}"
 
@@ -70,17 +70,26 @@ class AuthGate(grpc.ServerInterceptor):
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
             return handler
         if handler.unary_unary is None:  # closed until the gate learns to check streams
-            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
-                            f"{short_name(details.method)}: streaming methods are not served under an access file")
+            return _refusal(
+                handler,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{short_name(details.method)}: streaming methods are not served under an access file",
+            )
         principal = self._access.bearer(token_from_metadata(details.invocation_metadata))
         method = short_name(details.method)
         if principal is None:
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
-                            f"{method}: a valid token is required (Client(token=...), --token or KVSTORE_TOKEN)")
+            return _refusal(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method}: a valid token is required (Client(token=...), --token or KVSTORE_TOKEN)",
+            )
         roles = METHOD_ROLES.get(method, frozenset())
         if principal.role not in roles:
-            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
-                            f"{method}: token {principal.name!r} ({principal.role}) may not call it")
+            return _refusal(
+                handler,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method}: token {principal.name!r} ({principal.role}) may not call it",
+            )
         return _as(handler, principal)
 
 
@@ -103,9 +112,15 @@ def _refusal(handler, code: grpc.StatusCode, message: str):
     def refuse(request, context):
         context.abort(code, message)
 
-    make = (grpc.unary_unary_rpc_method_handler if handler.unary_unary is not None
-            else grpc.unary_stream_rpc_method_handler if handler.unary_stream is not None
-            else grpc.stream_unary_rpc_method_handler if handler.stream_unary is not None
-            else grpc.stream_stream_rpc_method_handler)
-    return make(refuse, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    make = (
+        grpc.unary_unary_rpc_method_handler
+        if handler.unary_unary is not None
+        else grpc.unary_stream_rpc_method_handler
+        if handler.unary_stream is not None
+        else grpc.stream_unary_rpc_method_handler
+        if handler.stream_unary is not None
+        else grpc.stream_stream_rpc_method_handler
+    )
+    return make(
+        refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )

@@ -37,20 +37,37 @@ log = logging.getLogger(__name__)
 def service_security_options(f):
     """The flags above, for the service commands."""
     options = [
-        click.option("--auth", "auth_file", default=None, metavar="FILE",
-                     help="Access file (TOML): tokens, roles, namespaces, quotas. Every RPC and data-plane "
-                          "connection must then prove a token. See docs/security.md."),
-        click.option("--insecure", is_flag=True,
-                     help="Serve a non-loopback address without --auth (anyone who reaches it may read, write "
-                          "and remove every block)."),
-        click.option("--token", envvar=TOKEN_ENV, default=None, metavar="TOKEN",
-                     help="The token this service presents to the master and other nodes [env KVSTORE_TOKEN; "
-                          "default: the access file's first node (else admin) secret]."),
+        click.option(
+            "--auth",
+            "auth_file",
+            default=None,
+            metavar="FILE",
+            help="Access file (TOML): tokens, roles, namespaces, quotas. Every RPC and data-plane "
+            "connection must then prove a token. See docs/security.md.",
+        ),
+        click.option(
+            "--insecure",
+            is_flag=True,
+            help="Serve a non-loopback address without --auth (anyone who reaches it may read, write "
+            "and remove every block).",
+        ),
+        click.option(
+            "--token",
+            envvar=TOKEN_ENV,
+            default=None,
+            metavar="TOKEN",
+            help="The token this service presents to the master and other nodes [env KVSTORE_TOKEN; "
+            "default: the access file's first node (else admin) secret].",
+        ),
         click.option("--tls-cert", default=None, metavar="PEM", help="This service's TLS certificate."),
         click.option("--tls-key", default=None, metavar="PEM", help="Its private key."),
-        click.option("--tls-ca", default=None, metavar="PEM",
-                     help="The CA this service trusts when it dials the pool (and, with --tls-mutual, checks "
-                          "client certificates with)."),
+        click.option(
+            "--tls-ca",
+            default=None,
+            metavar="PEM",
+            help="The CA this service trusts when it dials the pool (and, with --tls-mutual, checks "
+            "client certificates with).",
+        ),
         click.option("--tls-mutual", is_flag=True, help="Require client certificates signed by --tls-ca."),
     ]
     for option in reversed(options):
@@ -64,14 +81,28 @@ def etcd_tls_options(f):
     from kvstore_client.etcd import ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV
 
     options = [
-        click.option("--etcd-ca", envvar=ETCD_CA_ENV, default=None, metavar="PEM",
-                     help="CA of etcd's certificate: talk TLS (https) to etcd's client port "
-                          f"[env {ETCD_CA_ENV}]."),
-        click.option("--etcd-cert", envvar=ETCD_CERT_ENV, default=None, metavar="PEM",
-                     help="Client certificate for an etcd with --client-cert-auth (signed by its "
-                          f"--trusted-ca-file) [env {ETCD_CERT_ENV}]."),
-        click.option("--etcd-key", envvar=ETCD_KEY_ENV, default=None, metavar="PEM",
-                     help=f"Its private key [env {ETCD_KEY_ENV}]."),
+        click.option(
+            "--etcd-ca",
+            envvar=ETCD_CA_ENV,
+            default=None,
+            metavar="PEM",
+            help=f"CA of etcd's certificate: talk TLS (https) to etcd's client port [env {ETCD_CA_ENV}].",
+        ),
+        click.option(
+            "--etcd-cert",
+            envvar=ETCD_CERT_ENV,
+            default=None,
+            metavar="PEM",
+            help="Client certificate for an etcd with --client-cert-auth (signed by its "
+            f"--trusted-ca-file) [env {ETCD_CERT_ENV}].",
+        ),
+        click.option(
+            "--etcd-key",
+            envvar=ETCD_KEY_ENV,
+            default=None,
+            metavar="PEM",
+            help=f"Its private key [env {ETCD_KEY_ENV}].",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -88,10 +119,20 @@ def etcd_tls_of(etcd_ca=None, etcd_cert=None, etcd_key=None):
 def client_security_options(f):
     """--token and --tls-ca (and a client certificate) for the commands that call a pool."""
     options = [
-        click.option("--token", envvar=TOKEN_ENV, default=None, metavar="TOKEN",
-                     help="Token from the pool's access file [env KVSTORE_TOKEN]."),
-        click.option("--tls-ca", envvar="KVSTORE_TLS_CA", default=None, metavar="PEM",
-                     help="CA of a pool that speaks TLS [env KVSTORE_TLS_CA]."),
+        click.option(
+            "--token",
+            envvar=TOKEN_ENV,
+            default=None,
+            metavar="TOKEN",
+            help="Token from the pool's access file [env KVSTORE_TOKEN].",
+        ),
+        click.option(
+            "--tls-ca",
+            envvar="KVSTORE_TLS_CA",
+            default=None,
+            metavar="PEM",
+            help="CA of a pool that speaks TLS [env KVSTORE_TLS_CA].",
+        ),
         click.option("--tls-cert", default=None, metavar="PEM", help="Client certificate (mutual TLS)."),
         click.option("--tls-key", default=None, metavar="PEM", help="Its private key."),
     ]
@@ -110,8 +151,18 @@ class ServiceSecurity:
     dialing: Credentials = NO_CREDENTIALS  # what it presents when it dials another part of the pool
 
     @classmethod
-    def from_flags(cls, auth_file=None, insecure=False, token=None, tls_cert=None, tls_key=None, tls_ca=None,
-                   tls_mutual=False, needs_token=False, etcd_tls=None) -> "ServiceSecurity":
+    def from_flags(
+        cls,
+        auth_file=None,
+        insecure=False,
+        token=None,
+        tls_cert=None,
+        tls_key=None,
+        tls_ca=None,
+        tls_mutual=False,
+        needs_token=False,
+        etcd_tls=None,
+    ) -> "ServiceSecurity":
         """Build and check; ``needs_token``: this service dials the master (a node), so it
         must have a token when auth is on. ``etcd_tls`` (EtcdTLS): how it reaches the etcd of
         an etcd:// master address."""
@@ -121,15 +172,19 @@ class ServiceSecurity:
         if token is None and access is not None:
             token = access.service_token()
         if needs_token and access is not None and token is None:
-            raise ConfigError(f"{auth_file} holds no node or admin secret in full (only hashes): give this node "
-                              "its token with --token or KVSTORE_TOKEN")
+            raise ConfigError(
+                f"{auth_file} holds no node or admin secret in full (only hashes): give this node "
+                "its token with --token or KVSTORE_TOKEN"
+            )
         if token is not None and access is not None:
             principal = access.bearer(token)
             if principal is None:
                 raise ConfigError(f"--token (or KVSTORE_TOKEN) is not a token of {auth_file}")
             if principal.confined:
-                raise ConfigError(f"--token (or KVSTORE_TOKEN) is tenant {principal.name!r}'s; a service runs with a "
-                                  "node or admin token")
+                raise ConfigError(
+                    f"--token (or KVSTORE_TOKEN) is tenant {principal.name!r}'s; a service runs with a "
+                    "node or admin token"
+                )
         if tls is not None:
             dialing = tls.dialing(token)
         else:
@@ -143,11 +198,12 @@ class ServiceSecurity:
         if self.access is not None or is_loopback(host):
             return
         if not self.insecure:
-            raise ConfigError(f"the {what} would listen on {host} with no access file: anyone who reaches it could "
-                              "read, overwrite and remove every block. Give --auth FILE, or --insecure to do it "
-                              "anyway")
+            raise ConfigError(
+                f"the {what} would listen on {host} with no access file: anyone who reaches it could "
+                "read, overwrite and remove every block. Give --auth FILE, or --insecure to do it "
+                "anyway"
+            )
         log.warning("%s listening on %s with no access file (--insecure): every caller is trusted", what, host)
-
 
     def check_unguarded(self, host: str, what: str) -> None:
         """An endpoint that checks no tokens (KV events) may face only loopback while auth is
@@ -155,8 +211,9 @@ class ServiceSecurity:
         if self.access is None or is_loopback(host):
             return
         if not self.insecure:
-            raise ConfigError(f"the {what} checks no tokens and would listen on {host}: bind it to 127.0.0.1, or "
-                              "give --insecure")
+            raise ConfigError(
+                f"the {what} checks no tokens and would listen on {host}: bind it to 127.0.0.1, or give --insecure"
+            )
         log.warning("%s on %s checks no tokens (--insecure)", what, host)
 
 

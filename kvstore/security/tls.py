@@ -49,8 +49,9 @@ class ServerTLS:
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         root = _read(self.ca) if self.mutual else None
-        return grpc.ssl_server_credentials([(_read(self.key), _read(self.cert))], root_certificates=root,
-                                           require_client_auth=self.mutual)
+        return grpc.ssl_server_credentials(
+            [(_read(self.key), _read(self.cert))], root_certificates=root, require_client_auth=self.mutual
+        )
 
     def server_context(self) -> ssl.SSLContext:
         """The TCP data plane's context."""

@@ -80,8 +80,15 @@ class SharedArena:
     writes which range.
     """
 
-    def __init__(self, path: str, size: int, mapping: tuple[mmap.mmap, memoryview], owner: bool, pages: str = "",
-                 lock_fd: int | None = None):
+    def __init__(
+        self,
+        path: str,
+        size: int,
+        mapping: tuple[mmap.mmap, memoryview],
+        owner: bool,
+        pages: str = "",
+        lock_fd: int | None = None,
+    ):
         self.path = path
         self.size = size
         self.name = os.path.basename(path)
@@ -92,8 +99,9 @@ class SharedArena:
         self._unlink_at_exit = weakref.finalize(self, _remove_and_unlock, path, lock_fd) if owner else None
 
     @classmethod
-    def create(cls, size: int, name: str | None = None, prefault: bool = False,
-               huge_pages: bool = True) -> "SharedArena":
+    def create(
+        cls, size: int, name: str | None = None, prefault: bool = False, huge_pages: bool = True
+    ) -> "SharedArena":
         """Create and map a new arena of ``size`` bytes; ``prefault`` touches every page now,
         ``huge_pages`` asks the kernel for 2 MiB pages where the tmpfs would give 4 KiB
         (``kvstore.tiers.hugepages``)."""
@@ -192,12 +200,16 @@ def _check_room(size: int, directory: str) -> None:
     fs = os.statvfs(directory)
     free = fs.f_bavail * fs.f_frsize
     if size > free:
-        raise ConfigError(f"cannot reserve {format_size(size)} of shared memory in {directory} "
-                          f"({format_size(free)} free); lower the DRAM tier or enlarge the tmpfs (docker: --shm-size)")
+        raise ConfigError(
+            f"cannot reserve {format_size(size)} of shared memory in {directory} "
+            f"({format_size(free)} free); lower the DRAM tier or enlarge the tmpfs (docker: --shm-size)"
+        )
     available = memory_available() if fs.f_frsize <= mmap.PAGESIZE else None  # hugetlbfs: a pool of its own
     if available is not None and size > available:
-        raise ConfigError(f"cannot reserve {format_size(size)} of shared memory: this machine has "
-                          f"{format_size(available)} of memory available (MemAvailable); lower the DRAM tier")
+        raise ConfigError(
+            f"cannot reserve {format_size(size)} of shared memory: this machine has "
+            f"{format_size(available)} of memory available (MemAvailable); lower the DRAM tier"
+        )
 
 
 def memory_available() -> int | None:
@@ -223,7 +235,8 @@ def _reserve(fd: int, size: int, path: str) -> None:
         raise ConfigError(
             f"cannot reserve {size} bytes of shared memory in {os.path.dirname(path)} "
             f"({free.f_bavail * free.f_frsize} free): {exc.strerror}; lower the DRAM tier or enlarge the tmpfs "
-            "(docker: --shm-size)") from None
+            "(docker: --shm-size)"
+        ) from None
 
 
 def unlink_quietly(path: str) -> None:
@@ -261,7 +274,7 @@ def reap_stale_arenas() -> list[str]:
         if match is None:
             continue
         path = os.path.join(directory, entry)
-        arena = path[:-len(".dir")] if match.group(2) else path
+        arena = path[: -len(".dir")] if match.group(2) else path
         if _pid_alive(int(match.group(1))):
             continue  # perhaps made before arenas were locked, by a process that lives: keep
         if _remove_if_unlocked(arena, also=path if arena != path else None):

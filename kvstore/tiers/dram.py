@@ -51,8 +51,15 @@ class DramTier:
 
     name = "dram"
 
-    def __init__(self, capacity: int, *, granule: int = 4096, prefault: bool = False, arena_name: str | None = None,
-                 directory_slots: int | None = None):
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        granule: int = 4096,
+        prefault: bool = False,
+        arena_name: str | None = None,
+        directory_slots: int | None = None,
+    ):
         self._alloc = ExtentAllocator(capacity, granule)
         self.arena = SharedArena.create(max(self._alloc.capacity, granule), arena_name, prefault)
         self._mem = self.arena.view

@@ -38,8 +38,9 @@ TIME_BUDGET_S = 10.0  # no new section after this long
 _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP)
 
 
-def collapse_to_huge_pages(fd: int, size: int, budget_s: float = TIME_BUDGET_S,
-                           section_chunks: int = SECTION_CHUNKS) -> int:
+def collapse_to_huge_pages(
+    fd: int, size: int, budget_s: float = TIME_BUDGET_S, section_chunks: int = SECTION_CHUNKS
+) -> int:
     """Turn the whole 2 MiB chunks of the shmem file ``fd`` (``size`` bytes, not yet written)
     into huge pages; returns how many bytes now are. Linux only; 0 where unsupported.
 
@@ -64,8 +65,12 @@ def collapse_to_huge_pages(fd: int, size: int, budget_s: float = TIME_BUDGET_S,
     try:
         for first in range(0, chunks, section_chunks):
             if first and time.monotonic() - started > budget_s:
-                log.info("huge pages for %d of %d MiB of the arena; stopped after %.1f s (memory fragmented)",
-                         collapsed * HUGE_PAGE >> 20, chunks * HUGE_PAGE >> 20, time.monotonic() - started)
+                log.info(
+                    "huge pages for %d of %d MiB of the arena; stopped after %.1f s (memory fragmented)",
+                    collapsed * HUGE_PAGE >> 20,
+                    chunks * HUGE_PAGE >> 20,
+                    time.monotonic() - started,
+                )
                 break
             count = min(section_chunks, chunks - first)
             try:
@@ -73,8 +78,7 @@ def collapse_to_huge_pages(fd: int, size: int, budget_s: float = TIME_BUDGET_S,
                 collapsed += count
             except OSError as exc:
                 if not first and exc.errno in _UNSUPPORTED:  # a kernel before 6.1, or shmem THP "deny"
-                    log.info("arena stays on 4 KiB pages: MADV_COLLAPSE refused (%s; needs Linux >= 6.1)",
-                             exc.strerror)
+                    log.info("arena stays on 4 KiB pages: MADV_COLLAPSE refused (%s; needs Linux >= 6.1)", exc.strerror)
                     return 0
                 collapsed += _collapse_halves(reservation, offset + first * HUGE_PAGE, count)
     finally:

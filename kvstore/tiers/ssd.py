@@ -121,8 +121,15 @@ class SsdTier:
         for name in ("data.mdb", "lock.mdb"):  # made 0644 by older versions
             tighten(os.path.join(path, name))
         self._env = lmdb.Environment(
-            path, map_size=map_size_for(capacity), subdir=True, sync=sync, metasync=sync,
-            readahead=False, max_readers=512, lock=True, mode=FILE_MODE,
+            path,
+            map_size=map_size_for(capacity),
+            subdir=True,
+            sync=sync,
+            metasync=sync,
+            readahead=False,
+            max_readers=512,
+            lock=True,
+            mode=FILE_MODE,
         )
         self._env.reader_check()  # free reader slots left by a killed process
         self._load()

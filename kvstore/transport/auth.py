@@ -54,5 +54,6 @@ def op_auth(conn: "Connection", frame: "Frame") -> None:
     if not good or pending.principal is None:
         raise ProtocolError("token refused", Status.UNAUTHENTICATED)
     conn.authenticated(pending.principal)
-    conn.reply(frame, 0, pending.key.node_proof(pending.client_nonce, pending.node_nonce)
-               + pending.principal.name.encode())
+    conn.reply(
+        frame, 0, pending.key.node_proof(pending.client_nonce, pending.node_nonce) + pending.principal.name.encode()
+    )

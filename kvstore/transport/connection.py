@@ -141,17 +141,24 @@ class Connection:
                     return  # closed between frames
                 op, _, flags, request_id, count, body_len = unpack_header(self.reader.read(HEADER_SIZE))
                 if self.principal is None and op != Op.AUTH:  # before anything else, unknown ops too
-                    raise ProtocolError("this node checks tokens: authenticate first (AUTH; the SDK's "
-                                        "Client(token=...) or KVSTORE_TOKEN)", Status.UNAUTHENTICATED)
+                    raise ProtocolError(
+                        "this node checks tokens: authenticate first (AUTH; the SDK's "
+                        "Client(token=...) or KVSTORE_TOKEN)",
+                        Status.UNAUTHENTICATED,
+                    )
                 handler = OPS.get(op)
                 if handler is None:
                     raise ProtocolError(f"unknown op {op}", Status.UNSUPPORTED)
                 if op in NODE_OPS and self.principal.role == TENANT:
-                    raise ProtocolError(f"{Op(op).name} is for nodes and admins; token {self.principal.name!r} "
-                                        "is a tenant's", Status.PERMISSION_DENIED)
+                    raise ProtocolError(
+                        f"{Op(op).name} is for nodes and admins; token {self.principal.name!r} is a tenant's",
+                        Status.PERMISSION_DENIED,
+                    )
                 if op in SAME_HOST_OPS and not self.same_host:
-                    raise ProtocolError(f"{Op(op).name} holds node memory: same host only (the node's Unix "
-                                        "socket), not over TCP", Status.SAME_HOST_ONLY)
+                    raise ProtocolError(
+                        f"{Op(op).name} holds node memory: same host only (the node's Unix socket), not over TCP",
+                        Status.SAME_HOST_ONLY,
+                    )
                 self._check_size(count, body_len)
                 handler(self, Frame(op, flags, request_id, count, body_len))
         except ProtocolError as exc:
@@ -187,8 +194,9 @@ class Connection:
 
     def _check_size(self, count: int, body_len: int) -> None:
         if body_len > self.max_frame_bytes:
-            raise ProtocolError(f"frame body of {body_len} bytes exceeds max_frame_bytes {self.max_frame_bytes}",
-                                Status.FRAME_TOO_LARGE)
+            raise ProtocolError(
+                f"frame body of {body_len} bytes exceeds max_frame_bytes {self.max_frame_bytes}", Status.FRAME_TOO_LARGE
+            )
         if count > MAX_ITEMS:
             raise ProtocolError(f"{count} items in one frame; at most {MAX_ITEMS}", Status.FRAME_TOO_LARGE)
 
@@ -207,8 +215,9 @@ class Connection:
     def check_table(self, size: int) -> None:
         """FRAME_TOO_LARGE for an item table past ``max_table_bytes``."""
         if size > self.max_table_bytes:
-            raise ProtocolError(f"item table of {size} bytes exceeds max_table_bytes {self.max_table_bytes}",
-                                Status.FRAME_TOO_LARGE)
+            raise ProtocolError(
+                f"item table of {size} bytes exceeds max_table_bytes {self.max_table_bytes}", Status.FRAME_TOO_LARGE
+            )
 
     def reply(self, frame: Frame, count: int, *parts) -> None:
         """Send a reply frame whose body is ``parts`` (bytes-like) in order."""
@@ -261,4 +270,3 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-

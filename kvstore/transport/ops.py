@@ -329,8 +329,10 @@ def op_reserve(conn: "Connection", frame: "Frame") -> None:
     if frame.flags & FLAG_REGRANT:
         wanted = [(OK, size, None) for _, (_, _, _, size) in entries]
     else:
-        wanted = [(key if type(key) is int else _known(store, key) or conn.quota_status(size), size, (key, depth))
-                  for key, (_, _, depth, size) in entries]
+        wanted = [
+            (key if type(key) is int else _known(store, key) or conn.quota_status(size), size, (key, depth))
+            for key, (_, _, depth, size) in entries
+        ]
     conn.reply(frame, frame.count, _reserved_table(conn, wanted))
 
 
@@ -481,7 +483,6 @@ def end_group(conn: "Connection", group: list) -> None:
             conn.server.allowance.give(borrowed)
 
 
-
 def op_pull(conn: "Connection", frame: "Frame") -> None:
     """Copy blocks from another node (u8 address length, its data-plane "host:port", then
     PULL entries) into this one: one status byte per item (see kvstore.transport.puller)."""
@@ -498,8 +499,7 @@ def op_pull(conn: "Connection", frame: "Frame") -> None:
         if type(key) is int:
             out[i] = key
     if wanted:
-        statuses = conn.server.puller.pull(source, [entries[i][0] for i in wanted],
-                                           [entries[i][1][2] for i in wanted])
+        statuses = conn.server.puller.pull(source, [entries[i][0] for i in wanted], [entries[i][1][2] for i in wanted])
         for i, status in zip(wanted, statuses):
             out[i] = status
     conn.reply(frame, frame.count, out)

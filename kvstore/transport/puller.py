@@ -58,8 +58,9 @@ class BlockPuller:
         (OK, NOT_FOUND where the source has no such block, SOURCE_UNAVAILABLE, ...).
         A source ``sources`` refuses gets SOURCE_UNAVAILABLE for every key, undialled."""
         if not self.sources(source):
-            log.warning("refusing to pull %d blocks from %s: not a live registered node's data address",
-                        len(keys), source[:80])
+            log.warning(
+                "refusing to pull %d blocks from %s: not a live registered node's data address", len(keys), source[:80]
+            )
             return [int(Status.SOURCE_UNAVAILABLE)] * len(keys)
         statuses = [int(Status.NOT_FOUND)] * len(keys)
         placed: dict[int, WritableBlock] = {}

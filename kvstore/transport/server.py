@@ -65,10 +65,21 @@ class DataPlaneServer:
     are served under (None: plain TCP; the Unix socket is always plain). ``usage``: the
     node's TenantUsage, when tenants have quotas."""
 
-    def __init__(self, store: ServedStore, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None,
-                 node_id: str = "", machine_id: str = "", max_frame_bytes: int | None = None,
-                 lease_ttl: float | None = DEFAULT_LEASE_TTL, limits: ConnectionLimits | None = None,
-                 access: AccessList | None = None, tls: ssl.SSLContext | None = None, usage=None):
+    def __init__(
+        self,
+        store: ServedStore,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        unix_path: str | None = None,
+        node_id: str = "",
+        machine_id: str = "",
+        max_frame_bytes: int | None = None,
+        lease_ttl: float | None = DEFAULT_LEASE_TTL,
+        limits: ConnectionLimits | None = None,
+        access: AccessList | None = None,
+        tls: ssl.SSLContext | None = None,
+        usage=None,
+    ):
         max_block = store.config.max_block_bytes
         if max_frame_bytes is None:
             max_frame_bytes = max(64 * MiB, max_block + MiB)
@@ -112,8 +123,12 @@ class DataPlaneServer:
             unix.listen(256)
             self._listeners.append(unix)
         for listener in self._listeners:
-            thread = threading.Thread(target=self._accept_loop, args=(listener,), daemon=True,
-                                      name=f"kvstore-dataplane-accept-{listener.family.name}")
+            thread = threading.Thread(
+                target=self._accept_loop,
+                args=(listener,),
+                daemon=True,
+                name=f"kvstore-dataplane-accept-{listener.family.name}",
+            )
             thread.start()
             self._threads.append(thread)
         housekeeper = threading.Thread(target=self._housekeeping, daemon=True, name="kvstore-dataplane-housekeeping")
