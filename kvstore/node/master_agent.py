@@ -109,6 +109,7 @@ class MasterAgent:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstore-master-agent", daemon=True)
         self._reconnected = threading.Event()  # the channel is READY again after a loss: heartbeat now
+        self._wake = threading.Event()  # ends the agent's wait early: stop, or a reconnect
         self._was_lost = False
         store.subscribe(self._on_event)
         self._channel.subscribe(self._on_channel_state, try_to_connect=True)  # (a no-op through etcd://)
@@ -121,6 +122,7 @@ class MasterAgent:
         """Stop reporting and leave the pool: the master drops this node and its blocks at once
         (rather than when its lease runs out), so no client is placed on it or sent to it."""
         self._stop.set()
+        self._wake.set()
         self._thread.join()
         if self._registration.is_set():
             try:
@@ -141,6 +143,7 @@ class MasterAgent:
         if state is grpc.ChannelConnectivity.READY:
             if self._was_lost:
                 self._reconnected.set()
+                self._wake.set()
             self._was_lost = False
         elif state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE):
             self._was_lost = True
@@ -169,6 +172,8 @@ class MasterAgent:
                     self._reconnected.clear()
                     self._heartbeat()
                     next_heartbeat = time.monotonic() + self._heartbeat_interval
+                    if not self._registration.is_set():  # a master that does not know this node: register now
+                        continue
                 self._flush()
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
@@ -187,13 +192,18 @@ class MasterAgent:
                         )
                     self._unreachable = True
                 self._registration.clear()
-                self._stop.wait(min(self._heartbeat_interval, _RETRY_S))
+                self._pause(min(self._heartbeat_interval, _RETRY_S))
                 continue
-            self._stop.wait(self._flush_interval)
+            self._pause(self._flush_interval)
         try:
             self._flush(drain=True)
         except grpc.RpcError:
             pass
+
+    def _pause(self, seconds: float) -> None:
+        """Wait ``seconds``, or less if stopped or the channel reconnected meanwhile."""
+        self._wake.wait(seconds)
+        self._wake.clear()
 
     def _on_refused(self, details: str) -> None:
         if self.refused is None:
