@@ -2,16 +2,17 @@
 
     python -m bench.index_rebuild [--blocks 1000000] [--nodes 4] [--runs 3] [--json]
 
-A master (``--ttl``: nodes heartbeat every third of it) and ``--nodes`` storage nodes
-as processes on 127.0.0.1; one client writes ``--blocks`` small blocks (``--value-bytes``
-each, batches of 1,000) spread over the nodes, and waits until the index holds them all.
-Then, ``--runs`` times: kill -9 of the master, restart on the same port, and ClusterStatus
-polled every 20 ms from the restart's exec: the curve of indexed keys against time. Each
-node finds the new master at its next heartbeat (it fails, the node retries every second
-at most), registers and resends its whole inventory in chunks, which the master applies
-as it arrives. Reported per run: seconds from exec to serving, to the first and to the
-last node's blocks, and to 100%; and the curve (time to 10%, 25%, ..., 100%). A sample of
-keys is located after each run: every one must be found (``missing`` must be 0).
+A master (``--ttl``, the nodes' lease) and ``--nodes`` storage nodes as processes on
+127.0.0.1; one client writes ``--blocks`` small blocks (``--value-bytes`` each, batches of
+1,000) spread over the nodes, and waits until the index holds them all. Then, ``--runs``
+times: kill -9 of the master, restart on the same port, and ClusterStatus polled every
+20 ms from the restart's exec: the curve of indexed keys against time. Each node finds
+the new master when its channel reconnects (it redials every 0.25 s), registers and
+resends its whole inventory packed (kvstore.node.master_agent), which the master indexes
+as it arrives. Reported per run: seconds from exec to serving, to every node registered,
+to the first and to the last node's blocks, and to 100%; and the curve (time to 10%,
+25%, ..., 100%). A sample of keys is located after each run: every one must be found
+(``missing`` must be 0).
 """
 
 from __future__ import annotations
