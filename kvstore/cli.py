@@ -702,7 +702,19 @@ def node(
     )
     signals = service_process()
     storage = start_node(
-        master_address, host, port, metrics_port, data_dir, dram, ssd, max_block, policy, advertise, limits, security
+        master_address,
+        host,
+        port,
+        metrics_port,
+        data_dir,
+        dram,
+        ssd,
+        max_block,
+        policy,
+        advertise,
+        limits,
+        security,
+        stopping=lambda: signals.stopping,
     )
     announce(as_json, node_lines(storage), node_record(storage))
     signals.serve([storage.stop])
@@ -721,6 +733,7 @@ def start_node(
     advertise=None,
     limits=None,
     security=None,
+    stopping=None,
 ):
     from kvstore.node.daemon import NodeOptions, StorageNode
 
@@ -740,6 +753,7 @@ def start_node(
         tls=security.tls,
         credentials=security.dialing,
         lease_ttl=lease_ttl or None,
+        stopping=stopping or NodeOptions.stopping,
     )
     return StorageNode(config, options).start()
 

@@ -32,6 +32,11 @@ class StopSignals:
     def _handler(self, signum, frame) -> None:
         self._stopping = True
 
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop signal came (for a start that waits, to give up on)."""
+        return self._stopping
+
     def wait(self) -> None:
         """Block until a signal came (at once if one came already)."""
         while not self._stopping:

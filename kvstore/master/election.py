@@ -29,8 +29,10 @@ State: the index lives in the leader only. ``on_elected`` runs before a new
 leader serves its first RPC; the master uses it to forget whatever nodes it
 knew from an earlier term, so every node hears ``known=false``, registers
 again and resends its inventory (the restart path, kvstore.master.service).
-Node ids stay unique cluster-wide with a single leader: the node-id binding
-of kvstore.master.membership applies in the one master that serves.
+Node ids stay unique cluster-wide: the node-id binding of
+kvstore.master.membership applies in the one master that serves, and each node
+on an etcd:// master holds its id in etcd (kvstore.node.id_claim), so across a
+change of leader too a second process with the same id does not serve.
 
 etcd over TLS: ``EtcdOptions.tls`` (``--etcd-ca``, ``--etcd-cert``,
 ``--etcd-key``) is what the master's etcd client dials with. The master

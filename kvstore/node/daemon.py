@@ -15,10 +15,13 @@ import socket
 import stat
 import time
 from dataclasses import dataclass
+from typing import Callable
 
+from kvstore_client.cluster_address import is_etcd_address, parse_etcd_address
 from kvstore_client.credentials import NO_CREDENTIALS, Credentials
 from kvstore_client.hostid import machine_id
 from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore.master.membership import NodeIdInUse
 from kvstore.node.config import StoreConfig
 from kvstore.node.data_dir_lock import DataDirLock
 from kvstore.node.peers import RegisteredPeers
@@ -87,6 +90,7 @@ class NodeOptions:
     tls: ServerTLS | None = None  # TLS on the TCP data plane
     credentials: Credentials = NO_CREDENTIALS  # what the node presents to the master and other nodes
     lease_ttl: float | None = DEFAULT_LEASE_TTL  # seconds an unreleased same-host read lease lasts (None: ever)
+    stopping: Callable[[], bool] = staticmethod(lambda: False)  # a stop signal came: give up a start that waits
 
 
 def stable_node_id(data_dir: str | None) -> str:
@@ -121,6 +125,7 @@ class StorageNode:
         self.metrics = None
         self.agent = None
         self.lock: DataDirLock | None = None
+        self.claim = None  # the node id's claim in etcd, with an etcd:// master (kvstore.node.id_claim)
 
     def start(self) -> "StorageNode":
         """Lock the data dir (DataDirInUse if another process holds it), open the store, serve."""
@@ -134,6 +139,8 @@ class StorageNode:
 
     def _start(self) -> "StorageNode":
         opts = self.options
+        if opts.master and is_etcd_address(opts.master):
+            self._claim_node_id(opts)
         self.store = BlockStore(self.config)
         usage = TenantUsage(opts.access) if opts.access is not None else None
         if usage:
@@ -195,6 +202,18 @@ class StorageNode:
             )
         return self
 
+    def _claim_node_id(self, opts: NodeOptions) -> None:
+        """Hold the node id in etcd before serving, waiting while another process holds it."""
+        from kvstore.node.id_claim import NodeIdClaim
+        from kvstore_client.etcd import Etcd, EtcdTLS
+
+        endpoints, prefix = parse_etcd_address(opts.master)
+        etcd = Etcd(endpoints, tls=opts.credentials.etcd_tls or EtcdTLS.from_env())
+        holder = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(6)}"
+        self.claim = NodeIdClaim(etcd, prefix, self.node_id, holder)
+        if not self.claim.acquire(cancelled=opts.stopping):
+            raise NodeIdInUse(f"node id {self.node_id} is held in etcd by {self.claim.held_by}; stopped waiting")
+
     def info(self) -> pb.NodeInfo:
         return pb.NodeInfo(
             node_id=self.node_id,
@@ -222,5 +241,7 @@ class StorageNode:
                 part.stop()
         if self.store is not None:
             self.store.close()
+        if self.claim is not None:
+            self.claim.release()
         if self.lock is not None:
             self.lock.release()
