@@ -33,8 +33,6 @@ of 1 MiB TCP get throughput (auth >= 0.95x plain); TLS >= 0.5x plain.
 from __future__ import annotations
 
 import argparse
-import datetime
-import ipaddress
 import os
 import statistics
 import tempfile
@@ -56,78 +54,12 @@ NAMESPACE = bench_keys(1)[0][0]  # the namespace the node's blocks are stored un
 
 
 def make_certificates(directory: str) -> tuple[str, str, str]:
-    """A throwaway CA and a node certificate it signs (SAN IP 127.0.0.1 and localhost):
-    the paths of (ca.pem, node.pem, node.key)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    """A throwaway CA and a node certificate it signs (bench.pki): the paths of (ca.pem, node.pem, node.key)."""
+    from bench.pki import issue, make_ca
 
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1)
-
-    def name(common: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
-
-    ca_key, node_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(name("kvstore bench CA"))
-        .issuer_name(name("kvstore bench CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(ca_ski, critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    node = (
-        x509.CertificateBuilder()
-        .subject_name(name("kvstore bench node"))
-        .issuer_name(ca.subject)
-        .public_key(node_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(node_key.public_key()), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    paths = [os.path.join(directory, f) for f in ("ca.pem", "node.pem", "node.key")]
-    pem = serialization.Encoding.PEM
-    for path, data in zip(
-        paths,
-        (
-            ca.public_bytes(pem),
-            node.public_bytes(pem),
-            node_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
-        ),
-    ):
-        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-            f.write(data)
-    return paths[0], paths[1], paths[2]
+    ca = make_ca(directory, "kvstore bench CA")
+    cert, key = issue(directory, ca, "node", server=True)
+    return str(ca[2]), cert, key
 
 
 def write_access_file(directory: str) -> str:

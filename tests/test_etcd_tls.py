@@ -34,7 +34,7 @@ from kvstore_client.credentials import Credentials  # noqa: E402
 from kvstore_client.errors import ConfigError, ServiceUnavailable  # noqa: E402
 from kvstore_client.etcd import Etcd, EtcdTLS, EtcdTLSError  # noqa: E402
 from tests.processes import wait_for  # noqa: E402
-from tests.test_tls import issue, make_ca  # noqa: E402
+from bench.pki import issue, make_ca  # noqa: E402
 
 needs_etcd = pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary on PATH (apt-get install etcd-server)")
 MiB = 1 << 20

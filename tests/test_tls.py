@@ -9,8 +9,6 @@ TLS and tokens together.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import socket
 import ssl
 
@@ -18,11 +16,7 @@ import pytest
 
 pytest.importorskip("cryptography")
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
+from bench.pki import issue, make_ca
 from kvstore.master.server import MasterServer
 from kvstore.node.config import StoreConfig
 from kvstore.node.daemon import NodeOptions, StorageNode
@@ -37,85 +31,6 @@ from tests.processes import wait_for
 
 KiB, MiB = 1 << 10, 1 << 20
 TYPED = (ServiceUnavailable, TransportError)
-
-
-def _name(common: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
-
-
-def _write_key(key, path) -> None:
-    path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    path.chmod(0o600)
-
-
-def make_ca(directory, name: str = "kvstore test CA"):
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(name))
-        .issuer_name(_name(name))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    path = directory / f"{name.replace(' ', '-')}.pem"
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return cert, key, path
-
-
-def issue(directory, ca, stem: str, server: bool):
-    ca_cert, ca_key, _ = ca
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(stem))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        # a service's certificate is also what it shows when it dials the pool (mutual TLS)
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-                if server
-                else [ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-    )
-    if server:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-    cert = builder.sign(ca_key, hashes.SHA256())
-    cert_path, key_path = directory / f"{stem}.pem", directory / f"{stem}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    _write_key(key, key_path)
-    return str(cert_path), str(key_path)
 
 
 @pytest.fixture(scope="module")
