@@ -52,3 +52,44 @@ def test_packed_and_event_inventories_index_the_same_blocks(store):
     assert (counts, keys) == indexed("events", store)
     assert counts["n1"]["dram"] > 0 and counts["n1"]["ssd"] > 0
     assert len(keys) == 100
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_inventory_taken_while_the_master_is_away_and_the_changes_after_it_both_reach_the_new_master(store):
+    """The agent snapshots its inventory once the master stops answering, before one is back;
+    blocks put and removed after that snapshot still end up exactly right in the new master's index."""
+    from kvstore.node.master_agent import MasterAgent
+    from bench.common import wait_until
+
+    port = free_port()
+    info = pb.NodeInfo(node_id="n1", host="h", machine_id="m", data_address="h:7000")
+    first = MasterServer(port=port, ttl_s=30.0).start()
+    agent = MasterAgent(first.address, info, store, flush_interval=0.02).start()
+    try:
+        assert agent.wait_registered(10)
+        first.stop(grace=0)
+        wait_until(lambda: agent.inventory_waiting is not None, timeout=10)
+        assert agent.inventory_waiting == 100 and not agent.registered
+        for i in range(100, 110):  # after the snapshot, while no master answers
+            store.put(("other", i.to_bytes(4, "big")), bytes(KiB))
+        for i in range(0, 100, 10):
+            store.remove(("llama/a" if i % 3 else "other", i.to_bytes(1 + i % 20, "big")))
+        with MasterServer(port=port, ttl_s=30.0) as second:
+            assert agent.wait_registered(10)
+            want = sorted((ns, dg) for ns, dg in (k for k, _ in store.inventory()))
+
+            def indexed():
+                return sorted((ns, dg) for ns, dg, _ in second.index.list_keys(None, 1000))
+
+            wait_until(lambda: indexed() == want, timeout=10)
+            assert len(want) == 100 and agent.inventory_waiting is None
+    finally:
+        agent.stop()
+        first.stop(grace=0)

@@ -88,6 +88,11 @@ def check_batches(batches: Iterable[Batch]) -> list[tuple[str, list[Event]]]:
     return out
 
 
+class SplitDigests(list):
+    """Digests split from one packed string at a valid length (``validation.unpack_digests``):
+    all bytes, all 1..MAX_DIGEST_LEN long, so ``check_stored`` need not look at each again."""
+
+
 def check_stored(stored: Iterable[Stored]) -> list[tuple[str, int, list[bytes]]]:
     """Validate packed STORED blocks; return them as a list of (namespace, tier, digests list)."""
     out = []
@@ -95,8 +100,9 @@ def check_stored(stored: Iterable[Stored]) -> list[tuple[str, int, list[bytes]]]
         check_namespace(namespace)
         if tier != DRAM and tier != SSD:
             raise InvalidRequest(f"stored blocks need tier DRAM ({DRAM}) or SSD ({SSD}), got {tier}")
-        digests = list(digests)
-        check_digests(digests)
+        if not isinstance(digests, SplitDigests):
+            digests = list(digests)
+            check_digests(digests)
         out.append((namespace, tier, digests))
     return out
 

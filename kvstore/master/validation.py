@@ -8,9 +8,12 @@ with InvalidRequest (INVALID_ARGUMENT), never stored and never a traceback.
 from __future__ import annotations
 
 import re
+import struct
+from operator import itemgetter
 from typing import Iterable
 
 from kvstore.master.errors import InvalidRequest
+from kvstore.master.index import SplitDigests
 from kvstore.master.membership import NodeIdentity, TierStats
 from kvstore_client.keys import MAX_DIGEST_LEN
 
@@ -87,4 +90,4 @@ def unpack_digests(packed: bytes, digest_len: int) -> list[bytes]:
         raise InvalidRequest(f"packed digests are 1..{MAX_DIGEST_LEN} bytes each, got digest_len {digest_len}")
     if len(packed) % digest_len:
         raise InvalidRequest(f"{len(packed)} bytes of packed digests do not split into {digest_len}-byte digests")
-    return [packed[i : i + digest_len] for i in range(0, len(packed), digest_len)]
+    return SplitDigests(map(itemgetter(0), struct.iter_unpack(f"{digest_len}s", packed)))

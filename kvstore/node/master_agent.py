@@ -4,7 +4,10 @@ The master keeps no state on disk. When it answers ``known = false`` (it
 restarted, or let this node's lease expire) the agent registers again and
 sends the node's whole inventory, which rebuilds the master's index: packed
 (digests joined per namespace, tier and length) to a master whose RegisterReply
-says ``packed_reports``, else as STORED events.
+says ``packed_reports``, else as STORED events. The agent takes and packs that
+inventory as soon as a call to the master fails, while the master is away (a
+restart takes it a second or so), so that registering with it costs only the
+sending; events after the snapshot wait in the queue and follow it.
 Events are batched (every ``flush_interval`` or ``max_batch`` events) so the
 put path never waits on the master; a master that is down only delays them.
 
@@ -46,6 +49,9 @@ _PACKED_CHUNK = 200_000  # digests a PackedBlocks message: 3.2 MB at 16 bytes, 1
 # channel redials as often (gRPC's default backoff grows to minutes), so the index comes back
 # that soon after the master does. A refused dial costs the master nothing.
 _RETRY_S = 0.25
+# A snapshot taken while the master was away is sent as is unless this many events came after it
+# (they follow it as events): past that, a fresh snapshot is cheaper for the master to take in.
+_STALE_EVENTS = 100_000
 _CHANNEL_OPTIONS = [option for option in GRPC_OPTIONS if "reconnect_backoff" not in option[0]] + [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -111,6 +117,7 @@ class MasterAgent:
         self._reconnected = threading.Event()  # the channel is READY again after a loss: heartbeat now
         self._wake = threading.Event()  # ends the agent's wait early: stop, or a reconnect
         self._was_lost = False
+        self._prepared: Inventory | None = None  # taken while the master was away, for the next registration
         store.subscribe(self._on_event)
         self._channel.subscribe(self._on_channel_state, try_to_connect=True)  # (a no-op through etcd://)
 
@@ -146,11 +153,20 @@ class MasterAgent:
                 self._wake.set()
             self._was_lost = False
         elif state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE):
+            if not self._was_lost and self._registration.is_set():
+                self._reconnected.set()  # heartbeat now: if the master is gone, its inventory is packed meanwhile
+                self._wake.set()
             self._was_lost = True
 
     @property
     def registered(self) -> bool:
         return self._registration.is_set()
+
+    @property
+    def inventory_waiting(self) -> int | None:
+        """Blocks in the inventory snapshot taken for the next registration (None: none taken)."""
+        prepared = self._prepared
+        return None if prepared is None else prepared.blocks
 
     def wait_registered(self, timeout: float) -> bool:
         """Block until the master knows this node (at most ``timeout`` s); whether it does."""
@@ -192,6 +208,7 @@ class MasterAgent:
                         )
                     self._unreachable = True
                 self._registration.clear()
+                self._prepare_inventory()
                 self._pause(min(self._heartbeat_interval, _RETRY_S))
                 continue
             self._pause(self._flush_interval)
@@ -216,21 +233,29 @@ class MasterAgent:
         self.refused = details
         self._registration.clear()
 
+    def _prepare_inventory(self) -> None:
+        """While unregistered (the master unreachable): snapshot and pack the inventory for the
+        next registration now, unless one is ready. The queue is cleared with the snapshot, so it
+        then holds exactly the events that follow it; nothing is flushed while unregistered."""
+        if self._prepared is None and not self._stop.is_set():
+            self._prepared = Inventory(self.info.node_id, self._store.inventory(then=self._events.clear))
+
     def _register(self) -> None:
         reply = self._stub.Register(pb.RegisterRequest(info=self.info), timeout=5, metadata=self._metadata)
         if reply.heartbeat_interval_s > 0:
             self._heartbeat_interval = reply.heartbeat_interval_s
         self._allow(reply.allowances)
-        inventory = self._store.inventory(then=self._events.clear)
-        reports = (packed_reports if reply.packed_reports else event_reports)(self.info.node_id, inventory)
-        for report in reports:
+        inventory, self._prepared = self._prepared, None
+        if inventory is None or len(self._events) > _STALE_EVENTS:
+            inventory = Inventory(self.info.node_id, self._store.inventory(then=self._events.clear))
+        for report in inventory.reports(packed=reply.packed_reports):
             self._stub.ReportBlocks(report, timeout=30, metadata=self._metadata)
         self._registration.set()
         self._unreachable = False
         if self.refused is not None:
             log.info("the master accepts node id %s again", self.info.node_id)
         self.refused = None
-        log.info("registered with the master as %s (%d blocks)", self.info.node_id, len(inventory))
+        log.info("registered with the master as %s (%d blocks)", self.info.node_id, inventory.blocks)
 
     def _heartbeat(self) -> None:
         held = [pb.TenantBytes(tenant=t, bytes=b) for t, b in self._usage.held().items()] if self._usage else []
@@ -272,6 +297,19 @@ class MasterAgent:
 
     def _report(self, events: list, full_inventory: bool) -> pb.BlockReport:
         return block_report(self.info.node_id, events, full_inventory)
+
+
+class Inventory:
+    """A snapshot of the store's blocks, as the BlockReports that send it: packed ones made at
+    once (what current masters read), event ones only for a master that reads no packed blocks."""
+
+    def __init__(self, node_id: str, blocks: list):
+        self.node_id, self.blocks = node_id, len(blocks)
+        self._snapshot = blocks
+        self._packed = list(packed_reports(node_id, blocks))
+
+    def reports(self, packed: bool):
+        return iter(self._packed) if packed else event_reports(self.node_id, self._snapshot)
 
 
 def block_report(node_id: str, events: list, full_inventory: bool) -> pb.BlockReport:
