@@ -17,7 +17,7 @@ from tests.processes import start_master, start_node, wait_for
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def _pool(tmp_path, dram: int, max_block: int, idle_timeout: float | None = 300.0):
+def _pool(tmp_path, dram: int, max_block: int, idle_timeout: float | None = 300.0, high_watermark: float = 0.95):
     """A master and one node in this process; (master, node)."""
     from kvstore.master.server import MasterServer
     from kvstore.node.config import ConnectionLimits, StoreConfig
@@ -25,7 +25,11 @@ def _pool(tmp_path, dram: int, max_block: int, idle_timeout: float | None = 300.
 
     master = MasterServer(port=0, ttl_s=5.0, heartbeat_interval_s=0.5).start()
     config = StoreConfig(
-        dram_capacity=dram, max_block_bytes=max_block, connections=ConnectionLimits(idle_timeout=idle_timeout)
+        dram_capacity=dram,
+        max_block_bytes=max_block,
+        high_watermark=high_watermark,
+        low_watermark=min(0.85, high_watermark),
+        connections=ConnectionLimits(idle_timeout=idle_timeout),
     )
     node = StorageNode(config, NodeOptions(master=master.address, data_dir=str(tmp_path / "n"))).start()
     return master, node
@@ -62,8 +66,9 @@ def test_remove_skips_a_dead_holder_and_is_unavailable_only_when_every_holder_is
 def test_a_batch_put_out_of_room_says_which_blocks_it_stored(tmp_path, data_path):
     """A batch twice the size of the node's DRAM (no SSD): the node stores what fits and refuses
     the rest. The error is still a CapacityError, and names both parts, so the caller retries
-    only what was not stored."""
-    master, node = _pool(tmp_path, dram=4 * MiB, max_block=MiB)
+    only what was not stored. (No eviction at a high watermark: a full DRAM would otherwise drop
+    a block of the retry in the background before it is read back.)"""
+    master, node = _pool(tmp_path, dram=4 * MiB, max_block=MiB, high_watermark=1.0)
     try:
         with Client(master.address, data_path=data_path) as client:
             keys = [(f"full-{data_path}", bytes([i]) * 16) for i in range(8)]
