@@ -35,9 +35,12 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
 from kvstore_client.errors import ConfigError
+
+if TYPE_CHECKING:  # numpy is imported where it is used: a master that never schedules never loads it
+    import numpy as np
 
 
 @dataclass
@@ -121,6 +124,8 @@ class DecodeLoadPredictor:
 
     def _survival_curve(self, now: float, decoding_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Kaplan-Meier: event times ascending and ``S`` just after each (see the class doc)."""
+        import numpy as np
+
         done = np.asarray(self._durations, dtype=float)
         censored = now - decoding_starts
         times = np.concatenate([done, censored])
@@ -132,11 +137,15 @@ class DecodeLoadPredictor:
 
     @staticmethod
     def _s(times: np.ndarray, surv: np.ndarray, x: np.ndarray) -> np.ndarray:
+        import numpy as np
+
         i = np.searchsorted(times, x, side="right")
         return np.where(i > 0, surv[np.maximum(i - 1, 0)], 1.0)
 
     def tokens_at(self, t: float, now: float) -> float:
         """Expected context tokens in the decode pool at time ``t`` (>= ``now``)."""
+        import numpy as np
+
         tracked = self._tracked.values()
         if not tracked:
             return 0.0

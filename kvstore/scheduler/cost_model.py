@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from kvstore_client.errors import ConfigError
+
+if TYPE_CHECKING:  # numpy is imported where it is used: a master that never schedules never loads it
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ class PolynomialPrefill:
 
     @staticmethod
     def _features(n: np.ndarray, p: np.ndarray) -> np.ndarray:
+        import numpy as np
+
         return np.stack([np.ones_like(n), n, p, n * n, n * p, p * p], axis=1)
 
     @classmethod
@@ -119,6 +122,8 @@ class PolynomialPrefill:
         normal equations are well conditioned. Needs at least 6 samples with
         distinct (n, p) spread; raises ConfigError otherwise.
         """
+        import numpy as np
+
         data = np.asarray(list(samples), dtype=float)
         if data.ndim != 2 or data.shape[1] != 3 or len(data) < len(cls.FEATURES):
             raise ConfigError("fit needs at least 6 (input_len, cached_len, seconds) samples")
