@@ -29,6 +29,11 @@ one str object as both lora_name and lora_path hashes differently.
 ``block_size`` must be the engine's *hash* block size: the cache block size,
 times the decode-context-parallel size where the cache is sharded, and for
 hybrid models the GCD of the group block sizes (or ``prefix_match_unit``).
+
+A prompt's partial last block has no vLLM hash. ``prompt_tail`` and ``tail_hash``
+name it for the pool (kvstore's own key, not vLLM's): the KV connector stores it
+under that key and a router waits for it, so a decode engine loads all but the
+prompt's last token.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import hashlib
 import operator
 import os
 import pickle
+import struct
 import sys
 from typing import Any, Callable, Sequence
 
@@ -51,6 +57,10 @@ DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 _NON_CRYPTO = frozenset({"xxhash", "xxhash_cbor"})
 # Keys the hasher adds itself; callers set them on the constructor.
 _OWN_TAGS = frozenset({"lora", "cache_salt"})
+#: domain tag of a partial last block's key (tail_hash): no full block's hash starts so
+TAIL_TAG = b"kvstore-tail-v1"
+#: a shorter tail is the one token vLLM computes anyway: not worth a key
+MIN_TAIL_TOKENS = 2
 
 HashFn = Callable[[Any], bytes]
 
@@ -294,3 +304,38 @@ class VLLMBlockHasher:
     ) -> list[BlockKey]:
         """Store keys (``namespace``, vLLM block hash) of every full block of ``tokens``."""
         return make_keys(namespace, self.hashes(tokens, parent=parent, extra_keys=extra_keys))
+
+
+def prompt_tail(tokens: Any, block_size: int) -> tuple[int, ...] | None:
+    """The tokens of a prompt's partial last block, when the pool keeps that block; else None.
+
+    Only a prompt with at least one full block has one (the last full block's hash, the
+    tail's parent, carries the cache salt, the LoRA adapter and the seed), and only a tail of
+    at least ``MIN_TAIL_TOKENS`` (vLLM computes the prompt's last token whatever the pool holds).
+    """
+    full = len(tokens) // block_size
+    if full == 0 or len(tokens) - full * block_size < MIN_TAIL_TOKENS:
+        return None
+    return _token_tuple(tokens[full * block_size :])
+
+
+def tail_hash(parent: bytes, tokens: Any) -> bytes:
+    """The pool's key digest for a prompt's partial last block: SHA-256 over ``TAIL_TAG``, the
+    length and bytes of ``parent`` (the hash of the prompt's last full block) and ``tokens``
+    (the tail's token ids, little-endian int64).
+
+    vLLM hashes full blocks only, so the tail needs a name of kvstore's own, computed alike by
+    the connector that stores it and by anyone who looks it up. The tag keeps it apart from
+    every full block's hash (those hash a pickle or CBOR encoding, or are 16 bytes), the
+    parent chains it to the whole prefix as vLLM's hashes do, and the length-prefixed,
+    fixed-width encoding makes distinct (parent, tokens) pairs distinct inputs.
+    """
+    if not isinstance(parent, (bytes, bytearray, memoryview)) or not len(parent):
+        raise InvalidKey(f"parent must be a non-empty block hash (bytes), not {parent!r:.80}")
+    toks = _token_tuple(tokens)
+    try:
+        packed = struct.pack(f"<{len(toks)}q", *toks)
+    except struct.error:
+        raise InvalidKey("tail token ids must fit in 64 bits") from None
+    parent = bytes(parent)
+    return hashlib.sha256(TAIL_TAG + struct.pack("<I", len(parent)) + parent + packed).digest()

@@ -85,17 +85,21 @@ def fake_engine() -> tuple[web.Application, list]:
 
 
 class FakeBackend:
-    """Two engines (``P`` prefill, ``D`` decode) at ``url``; ``overloaded`` set: Schedule rejects."""
+    """Two engines (``P`` prefill, ``D`` decode) at ``url``; ``overloaded`` set: Schedule rejects.
+    ``indexed`` records the keys it is asked about and, while ``index_lag`` > 0, counts one
+    call down and answers that the last key is not indexed yet."""
 
     def __init__(self, url: str, block_size: int = 4):
         self.records = [
-            EngineRecord("P", url, "prefill", {"prefill": "P"}, "ns/layer1", block_size, "sha256", None, "tiny"),
-            EngineRecord("D", url, "decode", {"decode": "D"}, "ns/layer1", block_size, "sha256", None, "tiny"),
+            EngineRecord("P", url, "prefill", {"prefill": "P"}, "ns/layer1", block_size, "sha256", None, "tiny", True),
+            EngineRecord("D", url, "decode", {"decode": "D"}, "ns/layer1", block_size, "sha256", None, "tiny", True),
         ]
         self.overloaded: str | None = None
         self.scheduled: list = []
         self.reports: list = []
         self.deregistered: list = []
+        self.index_queries: list = []
+        self.index_lag = 0
 
     def engines(self):
         return self.records
@@ -111,6 +115,10 @@ class FakeBackend:
         return pb.RequestEventReply(decode_engine="D" if stage == "prefill_finished" else "")
 
     def indexed(self, keys):
+        self.index_queries.append(list(keys))
+        if self.index_lag > 0:
+            self.index_lag -= 1
+            return len(keys) - 1
         return len(keys)
 
     def deregister(self, namespace, conductor_id):

@@ -93,6 +93,28 @@ def test_prefill_gets_one_token_then_decode_gets_the_request_unchanged(stack):
     assert backend.reports == ["prefill_started", "prefill_finished", "decode_finished"]
 
 
+def test_the_router_waits_for_the_prompts_partial_last_block_too(stack):
+    from dataclasses import replace
+
+    from kvstore_client.vllm_hashing import VLLMBlockHasher, tail_hash
+
+    url, backend, _ = stack
+    backend.index_lag = 2  # the tail reaches the index two polls after the full blocks
+    status, _, _ = post(f"{url}/v1/completions", {"model": "tiny", "prompt": list(range(1, 11)), "max_tokens": 2})
+    assert status == 200
+    full = VLLMBlockHasher(4).hashes(list(range(1, 11)))
+    want = [("ns/layer1", h) for h in full] + [("ns/layer1", tail_hash(full[-1], [9, 10]))]
+    assert backend.index_queries == [want] * 3
+    assert len(backend.scheduled[0][0]) == 2  # the conductor is asked about the full blocks only
+    backend.index_queries.clear()
+    post(f"{url}/v1/completions", {"model": "tiny", "prompt": list(range(1, 10)), "max_tokens": 2})
+    assert backend.index_queries == [want[:2]]  # a one-token tail is not stored
+    backend.index_queries.clear()
+    backend.records[0] = replace(backend.records[0], partial_blocks=None)  # a prefill engine that stores none
+    post(f"{url}/v1/completions", {"model": "tiny", "prompt": list(range(1, 11)), "max_tokens": 2})
+    assert backend.index_queries == [want[:2]]
+
+
 def test_text_and_chat_prompts_are_tokenized_by_an_engine(stack):
     url, backend, seen = stack
     status, _, _ = post(f"{url}/v1/completions", {"model": "tiny", "prompt": "w1 w2 w3 w4 w5"})

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.vllm
 
 from bench.vllm_engine import EngineProcess, make_llama  # noqa: E402
 from kvstore_client import Client  # noqa: E402
+from kvstore_client.vllm_hashing import prompt_tail  # noqa: E402
 from tests.processes import start_master, start_node  # noqa: E402
 
 _rng = random.Random(1)
@@ -97,8 +98,16 @@ def assert_same_answers(got: dict, want: dict, dtype: str) -> None:
 
 
 def loadable(prompt: list[int], block_size: int) -> int:
-    """Tokens of a prompt's full blocks that may come from the pool (vLLM computes at least one)."""
+    """Tokens of a prompt that may come from the pool: its full blocks and its partial last
+    block, when it has one of two tokens or more (vLLM computes at least one token)."""
+    if prompt_tail(prompt, block_size) is not None:
+        return len(prompt) - 1
     return min(len(prompt) // block_size * block_size, len(prompt) - 1)
+
+
+def pool_blocks(prompt: list[int], block_size: int) -> int:
+    """Blocks of a prompt the pool keeps: the full ones, and the partial last one if it has a tail."""
+    return len(prompt) // block_size + (prompt_tail(prompt, block_size) is not None)
 
 
 def locally_cached(prompt: list[int], block_size: int) -> int:
@@ -202,7 +211,7 @@ def test_blocks_lost_between_lookup_and_load_are_recomputed(engines, pool):
         ]
         assert len(first_layer) == 1
         keys = [(k.namespace, k.digest) for k in client.list_keys(first_layer[0], limit=100000).keys]
-        assert len(keys) == sum(len(p) // 32 for p in PROMPTS)
+        assert len(keys) == sum(pool_blocks(p, 32) for p in PROMPTS)
         lost = keys[::3]
         for key in lost:
             assert client.remove(key)
@@ -232,7 +241,7 @@ def test_a_node_killed_between_lookup_and_load_means_recompute_not_a_hang(engine
         assert_same_answers(loaded, want, "float32")
         assert_same_answers(consumer.ask(JOB, timeout=120), want, "float32")
         consumer.close()
-        blocks = sum(len(p) // 32 for p in PROMPTS)
+        blocks = sum(pool_blocks(p, 32) for p in PROMPTS)
         with open(consumer.log_path) as log:
             assert f"kvstore: {blocks} blocks could not be loaded from the pool: vLLM recomputes them" in log.read()
     finally:
@@ -253,6 +262,23 @@ def test_roles_a_consumer_only_loads_and_a_producer_only_saves(engines, pool):
     with engines.start(master=pool["address"], namespace="roles", role="kv_consumer") as consumer:
         loaded = consumer.ask(JOB)
     assert [o["cached"] for o in loaded["outputs"]] == [loadable(p, 32) for p in PROMPTS]
+    assert_same_answers(loaded, want, "float32")
+
+
+def test_a_consumer_computes_only_the_last_token_of_a_prompt_another_engine_stored(engines, pool):
+    """Prefill and decode apart: the producer stores each prompt's full blocks and its partial
+    last block; the consumer, which never saw the prompts, loads all of it and computes one
+    prompt token each, and answers as a plain engine does."""
+    want = reference(engines, "float32")
+    assert all(prompt_tail(p, 32) is not None for p in PROMPTS[:2])  # 450 and 610 tokens: tails of 2
+    with engines.start(master=pool["address"], namespace="tails", role="kv_producer") as producer:
+        producer.ask(JOB)
+    with engines.start(master=pool["address"], namespace="tails", role="kv_consumer") as consumer:
+        loaded = consumer.ask(JOB)
+    assert [len(p) - o["cached"] for p, o in zip(PROMPTS, loaded["outputs"])] == [1, 1, 1]
+    layers = 2
+    assert loaded["connector"]["loaded"] == layers * sum(pool_blocks(p, 32) for p in PROMPTS)
+    assert loaded["connector"]["load_failures"] == 0
     assert_same_answers(loaded, want, "float32")
 
 
@@ -328,3 +354,70 @@ def test_layers_are_ordered_as_the_model_runs_them():
 
     names = [f"model.layers.{i}.self_attn.attn" for i in (10, 2, 0, 1)]
     assert layer_order(names) == [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10)]
+
+
+def scheduler_side(partial_blocks: bool = True, held: int = 0):
+    """A scheduler-side connector without an engine: a pool that holds the first ``held`` keys
+    of any chain it is asked about, and records the chains."""
+    from types import SimpleNamespace
+
+    from kvstore_client.vllm.connector import KVStoreConnector
+    from kvstore_client.vllm.naming import KVLayout, PoolNaming
+    from kvstore_client.vllm.plans import RequestPlans
+    from kvstore_client.vllm.settings import read_settings
+
+    asked: list = []
+
+    def match_prefix(keys):
+        asked.append([digest for _, digest in keys])
+        return SimpleNamespace(longest=min(held, len(keys)))
+
+    connector = object.__new__(KVStoreConnector)
+    connector._settings = read_settings({"master": "h:1", "partial_blocks": partial_blocks}, "kv_both")
+    connector._spec = SimpleNamespace(block_size=4)
+    connector._plans = RequestPlans(4, load=True, save=True, save_decode=False)
+    connector._naming = PoolNaming("vllm", KVLayout("m", "", "torch.float32/auto", 4, 2, 64, 2, 1, "cpu", "sha256"))
+    connector._client = SimpleNamespace(match_prefix=match_prefix)
+    connector._announcement = None
+    connector._lookup_failed = False
+    return connector, asked
+
+
+def request(tokens: list[int], **fields):
+    from types import SimpleNamespace
+
+    from kvstore_client.vllm_hashing import VLLMBlockHasher
+
+    values = {"mm_features": [], "prompt_embeds": None, "prompt_token_ids": tokens, **fields}
+    return SimpleNamespace(
+        request_id="r", num_prompt_tokens=len(tokens), block_hashes=VLLMBlockHasher(4).hashes(tokens), **values
+    )
+
+
+def test_the_lookup_asks_for_the_full_blocks_then_the_tail():
+    from kvstore_client.vllm_hashing import tail_hash
+
+    tokens = list(range(1, 12))  # two full blocks of 4, then a tail of 3
+    req = request(tokens)
+    for held, external in ((3, 10), (2, 8), (0, 0)):  # the tail too: all but the last token
+        connector, asked = scheduler_side(held=held)
+        assert connector.get_num_new_matched_tokens(req, 0) == (external, False)
+        assert asked == [req.block_hashes + [tail_hash(req.block_hashes[-1], tokens[8:])]]
+
+
+@pytest.mark.parametrize(
+    "partial_blocks,tokens,fields",
+    [
+        (False, list(range(1, 12)), {}),  # the setting off
+        (True, list(range(1, 10)), {}),  # a tail of one token
+        (True, list(range(1, 4)), {}),  # no full block
+        (True, list(range(1, 12)), {"mm_features": ["an image"]}),
+        (True, list(range(1, 12)), {"prompt_embeds": "a tensor"}),
+    ],
+)
+def test_prompts_without_a_tail_key_look_up_their_full_blocks_only(partial_blocks, tokens, fields):
+    connector, asked = scheduler_side(partial_blocks, held=3)
+    req = request(tokens, **fields)
+    external, _ = connector.get_num_new_matched_tokens(req, 0)
+    assert asked == ([req.block_hashes] if req.block_hashes else [])
+    assert external == min(len(req.block_hashes) * 4, len(tokens) - 1)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvstore_client.errors import ConfigError, InvalidKey, KVStoreError
-from kvstore_client.vllm_hashing import ALGOS, VLLMBlockHasher, hash_block_tokens
+from kvstore_client.vllm_hashing import ALGOS, VLLMBlockHasher, hash_block_tokens, prompt_tail, tail_hash
 
 SQL = ("sql-adapter", "/adapters/sql")
 MIXED = [7, 0, 3, 151_000, 2**31, 9, 9, 9, 1, 2, 3, 4, 5]  # 3 full blocks of 4 and a partial one
@@ -191,6 +191,41 @@ def test_only_full_blocks_and_parent_continues_the_chain():
     assert hasher_for("sha256", None, 4, SQL, None).hashes(MIXED)[1:] != full[1:]  # chained
     no_salt = hasher_for("sha256", None, 4, SQL, None).hashes(MIXED)
     assert hasher_for("sha256", None, 4, SQL, "").hashes(MIXED) == no_salt  # vLLM skips an empty salt
+
+
+def test_tail_hash_is_deterministic_and_names_parent_and_tokens():
+    import hashlib
+    import struct
+
+    parent = VLLMBlockHasher(4).hashes(MIXED)[-1]
+    tail = [5, 6, 7]
+    want = hashlib.sha256(b"kvstore-tail-v1" + struct.pack("<I", 32) + parent + struct.pack("<3q", *tail)).digest()
+    assert tail_hash(parent, tail) == want  # the encoding is fixed: routers and engines must agree
+    assert tail_hash(parent, tuple(tail)) == tail_hash(bytearray(parent), np.array(tail, dtype=np.int32)) == want
+    assert tail_hash(parent, [5, 6, 8]) != want and tail_hash(parent, [5, 6]) != want
+    assert tail_hash(VLLMBlockHasher(4).hashes(MIXED)[-2], tail) != want
+    assert tail_hash(b"\x01" + parent, tail[1:]) != tail_hash(parent + b"\x05", tail[1:])  # lengths delimit
+
+
+def test_a_tail_hash_is_never_a_full_blocks_hash():
+    for algo in ALGOS:
+        h = VLLMBlockHasher(4, algo, seed="1")
+        parent = h.hashes(MIXED[:4])[0]
+        assert tail_hash(parent, MIXED[4:8]) != h.hashes(MIXED[4:8], parent=parent)[0]
+    with pytest.raises(InvalidKey):
+        tail_hash(b"", [1, 2])
+    with pytest.raises(InvalidKey):
+        tail_hash(parent, [1 << 64])
+    with pytest.raises(InvalidKey):
+        tail_hash(parent, [True, 2])
+
+
+def test_which_prompts_have_a_tail():
+    assert prompt_tail(list(range(10)), 4) == (8, 9)  # two full blocks, then two tokens
+    assert prompt_tail(np.arange(11), 4) == (8, 9, 10)
+    assert prompt_tail(list(range(9)), 4) is None  # one token: vLLM computes it anyway
+    assert prompt_tail(list(range(8)), 4) is None  # full blocks only
+    assert prompt_tail(list(range(3)), 4) is None  # no full block: nothing to chain to
 
 
 def test_token_containers_hash_alike():

@@ -122,6 +122,76 @@ def test_unknown_requests_in_a_step_are_ignored():
     assert plans().step([("x", [1], 0)], [("y", [2], False, 0)], {"x": 4, "y": 4}).saves == []
 
 
+TAIL = b"t".ljust(32, b"\0")
+
+
+def test_the_tail_is_saved_once_in_the_step_that_computes_the_prompts_last_token():
+    p = plans()
+    p.remember_hit("a", 0, 0, tail=TAIL)
+    p.allocated("a", hashes(2), prompt_len=2 * BS + 3, num_external_tokens=0)
+    first = p.step([("a", [5, 6], 0)], [], {"a": 2 * BS})  # chunked: the full blocks only
+    assert [(t.block_ids, t.hashes, t.first_index) for t in first.saves] == [([5, 6], hashes(2), 0)]
+    last = p.step([], [("a", [7], False, 2 * BS)], {"a": 3})
+    assert [(t.block_ids, t.hashes, t.first_index) for t in last.saves] == [([7], [TAIL], 2)]
+    assert p.step([], [("a", None, False, 2 * BS + 3)], {"a": 1}).saves == []  # decode: not again
+
+
+def test_a_tail_hit_loads_all_but_the_prompts_last_token():
+    p = plans()
+    prompt_len = 3 * BS + 2
+    p.remember_hit("a", 4, BS, tail=TAIL)  # three full blocks and the tail; vLLM holds block 0
+    assert p.external_tokens(4, BS, prompt_len) == prompt_len - 1 - BS
+    p.allocated("a", hashes(3), prompt_len, num_external_tokens=prompt_len - 1 - BS)
+    plan = p.step([("a", [9, 8, 7, 6], prompt_len - 1)], [], {"a": 1})
+    assert [(t.block_ids, t.hashes, t.first_index) for t in plan.loads] == [([8, 7, 6], hashes(3)[1:] + [TAIL], 1)]
+    assert plan.saves == []  # the pool has every block, the tail too
+
+
+def test_a_tail_miss_loads_the_full_blocks_only_and_saves_the_tail():
+    p = plans()
+    prompt_len = 3 * BS + 2
+    p.remember_hit("a", 3, 0, tail=TAIL)
+    assert p.external_tokens(3, 0, prompt_len) == 3 * BS
+    p.allocated("a", hashes(3), prompt_len, num_external_tokens=3 * BS)
+    plan = p.step([("a", [1, 2, 3, 4], 3 * BS)], [], {"a": 2})
+    assert [(t.block_ids, t.hashes) for t in plan.loads] == [([1, 2, 3], hashes(3))]
+    assert [(t.block_ids, t.hashes, t.first_index) for t in plan.saves] == [([4], [TAIL], 3)]
+
+
+def test_a_decode_filled_tail_block_is_saved_under_its_own_hash_too():
+    p = plans(save_decode=True)
+    p.remember_hit("a", 0, 0, tail=TAIL)
+    p.allocated("a", hashes(2), prompt_len=BS + 2, num_external_tokens=0)
+    prompt = p.step([("a", [3, 4], 0)], [], {"a": BS + 2})
+    assert [(t.block_ids, t.hashes, t.first_index) for t in prompt.saves] == [([3], hashes(1), 0), ([4], [TAIL], 1)]
+    filled = p.step([], [("a", None, False, BS + 2)], {"a": BS - 2})
+    assert [(t.block_ids, t.hashes, t.first_index) for t in filled.saves] == [([4], hashes(2)[1:], 1)]
+
+
+def test_without_a_tail_nothing_past_the_full_blocks_moves():
+    # what the connector passes for a one-token tail, for partial_blocks off, and for multimodal prompts
+    p = plans()
+    p.remember_hit("a", 2, 0)
+    assert p.external_tokens(2, 0, 2 * BS + 1) == 2 * BS  # the one token left is vLLM's to compute anyway
+    p.allocated("a", hashes(2), prompt_len=2 * BS + 1, num_external_tokens=2 * BS)
+    plan = p.step([("a", [1, 2, 3], 2 * BS)], [], {"a": 1})
+    assert [t.block_ids for t in plan.loads] == [[1, 2]] and plan.saves == []
+
+
+def test_the_partial_blocks_setting():
+    from kvstore_client.vllm_hashing import prompt_tail
+
+    assert read_settings({"master": "h:1"}, "kv_both").partial_blocks is True
+    assert read_settings({"master": "h:1", "partial_blocks": "false"}, "kv_both").partial_blocks is False
+    with pytest.raises(ConfigError, match="partial_blocks"):
+        read_settings({"master": "h:1", "partial_blocks": "sometimes"}, "kv_both")
+    # which prompts have a tail: a full block before it, and two tokens at least
+    assert prompt_tail(list(range(2 * BS + 2)), BS) == (2 * BS, 2 * BS + 1)
+    assert prompt_tail(list(range(2 * BS + 1)), BS) is None
+    assert prompt_tail(list(range(2 * BS)), BS) is None
+    assert prompt_tail(list(range(BS - 1)), BS) is None
+
+
 LAYOUT = KVLayout(
     model="/models/Llama-3-8B/",
     revision="",

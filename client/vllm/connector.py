@@ -12,9 +12,10 @@ Enable it with::
 scheduler and one in each worker:
 
 - scheduler: for a new request, ``get_num_new_matched_tokens`` asks the master how many of
-  the prompt's leading blocks the pool holds beyond vLLM's own hit; ``RequestPlans`` turns
+  the prompt's leading blocks the pool holds beyond vLLM's own hit (its full blocks, then its
+  partial last block under a key of its own: ``partial_blocks``); ``RequestPlans`` turns
   that, the blocks vLLM allocates and the tokens each step schedules into a ``StepPlan``
-  (blocks to load, new full blocks to save) that vLLM hands to the workers;
+  (blocks to load, newly computed blocks to save) that vLLM hands to the workers;
 - worker: ``start_load_kv`` starts loading the step's blocks layer by layer and
   ``wait_for_layer_load`` waits for one layer, so loading overlaps the model;
   ``save_kv_layer`` queues a layer's new blocks as soon as its attention ends and
@@ -50,6 +51,7 @@ from kvstore_client.vllm.naming import KVLayout, PoolNaming
 from kvstore_client.vllm.plans import RequestPlans, StepPlan
 from kvstore_client.vllm.settings import read_settings
 from kvstore_client.vllm.transfer import LayerwiseTransfers
+from kvstore_client.vllm_hashing import prompt_tail, tail_hash
 
 if TYPE_CHECKING:
     import torch
@@ -239,13 +241,27 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ==== scheduler side =====================================================================
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        hashes = request.block_hashes[: self._plans.full_blocks(request.num_prompt_tokens)]
+        full = self._plans.full_blocks(request.num_prompt_tokens)
+        hashes = request.block_hashes[:full]
+        tail = self._tail(request, hashes) if len(hashes) == full else None
+        chain = hashes + [tail] if tail is not None else hashes  # the pool holds the tail iff all of it hits
         # the lookup serves loading, and saving too: blocks the pool has are not sent again
-        pool_blocks = self._lookup(hashes) if hashes and (self._settings.load or self._settings.save) else 0
-        self._plans.remember_hit(request.request_id, pool_blocks, num_computed_tokens)
+        pool_blocks = self._lookup(chain) if chain and (self._settings.load or self._settings.save) else 0
+        self._plans.remember_hit(request.request_id, pool_blocks, num_computed_tokens, tail)
         if self._announcement is not None:
             self._announcement.tracker.seen(request)
         return self._plans.external_tokens(pool_blocks, num_computed_tokens, request.num_prompt_tokens), False
+
+    def _tail(self, request: "Request", hashes: list[bytes]) -> bytes | None:
+        """The key of the prompt's partial last block, or None where the pool keeps none: the
+        setting is off, or the prompt has multimodal inputs or embeddings (its KV is then not
+        a function of the token ids and the chain's hashes alone)."""
+        if not self._settings.partial_blocks or request.mm_features or request.prompt_embeds is not None:
+            return None
+        if request.prompt_token_ids is None or not hashes:
+            return None
+        tokens = prompt_tail(request.prompt_token_ids, self._spec.block_size)
+        return None if tokens is None else tail_hash(bytes(hashes[-1]), tokens)
 
     def _lookup(self, hashes: list[bytes]) -> int:
         """Leading blocks of ``hashes`` the pool holds (0 when it cannot be asked)."""

@@ -10,8 +10,9 @@ The scheduler's connector (in the engine's main process: vLLM's EngineCore) hold
   blocks the connector looks up): as ``engine_id`` for one role, as ``engine_id#prefill`` and
   ``engine_id#decode`` for ``both`` (the conductor keeps one role per id);
 - writes an engine record, JSON, into the pool at ``(<namespace>/engines, sha256(engine_id))``:
-  the URL, the conductor ids and namespace and the hashing settings, which is how
-  ``kvstore router`` finds engines and hashes prompts exactly as they do.
+  the URL, the conductor ids and namespace, the hashing settings and whether the engine stores
+  prompts' partial last blocks (``partial_blocks``), which is how ``kvstore router`` finds
+  engines, hashes prompts exactly as they do and knows which keys to wait for.
 
 A thread then reports the load the connector sees every ``load_report_interval`` seconds
 (:class:`LoadTracker`) and puts the record back if the pool lost it. ``close`` (connector
@@ -136,6 +137,7 @@ class EngineAnnouncement:
             "hash_algo": hash_algo,
             "hash_seed": hash_seed,
             "model": model,
+            "partial_blocks": settings.partial_blocks,
         }
         self._value = json.dumps(self.record, sort_keys=True).encode()
         self._stop = threading.Event()

@@ -9,6 +9,10 @@ Keys (all optional but ``master``):
   ``kv_role`` ``kv_consumer`` only loads and ``kv_producer`` only saves, whatever these say);
 - ``save_decode``: also store blocks filled by generated tokens (default false: prompts only,
   which is what a later request can hit);
+- ``partial_blocks``: also store and load a prompt's partial last block, under a key of its own
+  (``kvstore_client.vllm_hashing.tail_hash``), so an engine that finds the whole prompt in the
+  pool computes only its last token (default true; never for multimodal or prompt-embeds
+  requests, whose KV the tokens alone do not name);
 - ``timeout``: seconds one pool call may take before it counts as failed (default 10);
 - ``role``: ``prefill``, ``decode`` or ``both``: register the engine with the master's conductor
   in that role, report its load and announce it to ``kvstore router`` (default: none, the
@@ -33,6 +37,7 @@ KNOWN_KEYS = {
     "load",
     "save",
     "save_decode",
+    "partial_blocks",
     "timeout",
     "role",
     "engine_url",
@@ -49,6 +54,7 @@ class ConnectorSettings:
     load: bool = True
     save: bool = True
     save_decode: bool = False
+    partial_blocks: bool = True
     timeout: float = 10.0
     role: str | None = None  # prefill, decode, both; None: not registered with the conductor
     engine_url: str | None = None
@@ -125,6 +131,7 @@ def read_settings(extra: Mapping[str, Any] | None, kv_role: str | None) -> Conne
         load=_flag(extra, "load", True) and kv_role != "kv_producer",
         save=_flag(extra, "save", True) and kv_role != "kv_consumer",
         save_decode=_flag(extra, "save_decode", False),
+        partial_blocks=_flag(extra, "partial_blocks", True),
         timeout=timeout,
         role=role,
         engine_url=engine_url.rstrip("/") if engine_url else None,

@@ -12,7 +12,8 @@ Per ``/v1/completions`` or ``/v1/chat/completions`` request:
    connector stores the prompt's KV in the pool; ``report_request`` prefill_started (sent
    while the prefill runs) and prefill_finished (which names the decode engine, or rejects:
    429 again), while waiting (at most ``index_wait_s``) until the master's index holds the
-   prompt's blocks, so the decode engine's lookup finds what was just stored;
+   prompt's blocks (its partial last block too, under ``vllm_hashing.tail_hash``, when the
+   prefill engine stores those), so the decode engine's lookup finds what was just stored;
 5. send the request as it came to the decode engine, which loads the prefix from the pool and
    generates; its answer (or SSE stream) goes back unchanged, then decode_finished (cancelled
    on any failure).
@@ -93,6 +94,7 @@ class EngineRecord:
     hash_algo: str
     hash_seed: str | None
     model: str
+    partial_blocks: bool | None = None  # stores prompts' partial last blocks (None: an older engine, which does not)
 
     @classmethod
     def from_json(cls, value: bytes) -> "EngineRecord":
@@ -216,6 +218,16 @@ def connection_lost(exc: BaseException) -> bool:
     if isinstance(exc, (ClientConnectorError, ServerDisconnectedError)):
         return True
     return isinstance(exc, ClientOSError) and exc.errno in _LOST
+
+
+def tail_keys(engine: EngineRecord, namespace: str, tokens: list[int], hashes: list[bytes]) -> list:
+    """[the key of the prompt's partial last block] when ``engine`` stores one for this prompt
+    (``kvstore_client.vllm_hashing.prompt_tail``), else []: the connector's key, so the wait
+    covers what the decode engine's lookup asks for."""
+    from kvstore_client.vllm_hashing import prompt_tail, tail_hash
+
+    tail = prompt_tail(tokens, engine.block_size) if engine.partial_blocks and hashes else None
+    return [] if tail is None else [(namespace, tail_hash(hashes[-1], tail))]
 
 
 def error_body(message: str, kind: str, code: int) -> dict:
@@ -455,7 +467,8 @@ class Router:
         hasher = VLLMBlockHasher(
             first.block_size, first.hash_algo, seed=first.hash_seed, cache_salt=salt if isinstance(salt, str) else None
         )
-        keys = [(namespace, h) for h in hasher.hashes(tokens)]
+        hashes = hasher.hashes(tokens)
+        keys = [(namespace, h) for h in hashes]
         output_length = body.get("max_tokens") or body.get("max_completion_tokens") or 0
         request_id = uuid.uuid4().hex
         try:
@@ -488,8 +501,9 @@ class Router:
                 await self._prefill(prefill, body, path)
             finally:
                 await started
+            stored = keys + tail_keys(prefill, namespace, tokens, hashes)
             reply, _ = await asyncio.gather(
-                self._report(namespace, request_id, "prefill_finished"), self._wait_indexed(keys)
+                self._report(namespace, request_id, "prefill_finished"), self._wait_indexed(stored)
             )
             if reply is not None and reply.rejected:
                 finished = True  # the conductor ended it
