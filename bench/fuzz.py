@@ -1,6 +1,6 @@
 """Structure-aware fuzzing of a live node's data plane and the master's gRPC services.
 
-    python -m bench.fuzz [--frames N] [--seconds S] [--seed K] [--senders P] [--json]
+    python -m bench.fuzz [--frames N] [--seconds S] [--seed K] [--senders P] [--grpc-in-flight G] [--json]
 
 Starts a master and two storage nodes as processes of their own (one plain, one with an
 access file: ``--auth``), then, until ``--frames`` frames were sent or ``--seconds`` passed:
@@ -19,7 +19,8 @@ access file: ``--auth``), then, until ``--frames`` frames were sent or ``--secon
   Each connection's write side is shut after its batch and every reply is read to EOF.
 - one process calls every method of every gRPC service in the proto descriptors (enumerated)
   with random messages of its input type, mutated serializations of them and raw garbage, as
-  raw bytes through a generic channel call (16 in flight).
+  raw bytes through a generic channel call (``--grpc-in-flight`` at a time, default 8; on a
+  small machine the master's gRPC stack takes the CPU the data plane's frames would get).
 - a well-behaved client (the SDK's TcpConnection/UnixConnection, one of each per node kind)
   keeps putting random values and reading them back on its own connections, and reads the
   master's ClusterStatus; any error or wrong value is a failure.
@@ -829,7 +830,7 @@ class Sampler:
         }
 
 
-def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path) -> dict:
+def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path, grpc_in_flight: int = 8) -> dict:
     access = write_access_file(workdir)
     master = start_master(workdir)
     address = master.record["master"]
@@ -865,7 +866,9 @@ def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path) -> 
             )
             for i in range(senders)
         ]
-        procs.append(ctx.Process(target=grpc_fuzzer, args=(address, seed, deadline, stop, out), daemon=True))
+        procs.append(
+            ctx.Process(target=grpc_fuzzer, args=(address, seed, deadline, stop, out, grpc_in_flight), daemon=True)
+        )
         for p in procs:
             p.start()
         results = []
@@ -953,6 +956,7 @@ def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path) -> 
         "bounds": {"rss_anon_growth_bytes": RSS_BOUND, "fd_growth": FD_BOUND},
         "bounded": bounded,
         "seed": seed,
+        "grpc_in_flight": grpc_in_flight,
     }
     result["ok"] = (
         crashes == 0
@@ -1004,10 +1008,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=180.0, help="stop after this long even if short of --frames")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--senders", type=int, default=2, help="data-plane fuzzing processes")
+    parser.add_argument("--grpc-in-flight", type=int, default=8, help="gRPC fuzzing calls in flight at a time")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.grpc_in_flight < 1 or args.senders < 1:
+        parser.error("--grpc-in-flight and --senders must be at least 1")
     with tempfile.TemporaryDirectory(prefix="kvstore-fuzz-") as workdir:
-        result = run(args.frames, args.seconds, args.seed, args.senders, Path(workdir))
+        result = run(args.frames, args.seconds, args.seed, args.senders, Path(workdir), args.grpc_in_flight)
         if not result["ok"]:  # keep what the processes logged where it can be read
             for name in ("master", "node", "node_auth"):
                 text = (Path(workdir) / f"{name}.err").read_text(errors="replace")

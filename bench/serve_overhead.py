@@ -53,8 +53,9 @@ async def direct(http, prefill_url: str, decode_url: str, prompt: list[int], ind
 
 
 def index_probe(master: str):
-    """(a function: is every full block of a prompt in the master's index?, the client to close)."""
-    from kvstore.router.server import PoolBackend
+    """(a function: is every block of a prompt in the master's index, its partial last one too
+    when the prefill engine stores those, as the router waits for?, the client to close)."""
+    from kvstore.router.server import PoolBackend, tail_keys
     from kvstore_client import Client
     from kvstore_client.vllm_hashing import VLLMBlockHasher
 
@@ -63,7 +64,9 @@ def index_probe(master: str):
     hasher = VLLMBlockHasher(record.block_size, record.hash_algo, seed=record.hash_seed)
 
     def indexed(prompt: list[int]) -> bool:
-        keys = [(record.conductor_namespace, h) for h in hasher.hashes(prompt)]
+        hashes = hasher.hashes(prompt)
+        namespace = record.conductor_namespace
+        keys = [(namespace, h) for h in hashes] + tail_keys(record, namespace, prompt, hashes)
         return not keys or client.match_prefix(keys).longest >= len(keys)
 
     return indexed, client
