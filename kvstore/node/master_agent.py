@@ -9,7 +9,10 @@ inventory as soon as a call to the master fails, while the master is away (a
 restart takes it a second or so), so that registering with it costs only the
 sending; events after the snapshot wait in the queue and follow it.
 Events are batched (every ``flush_interval`` or ``max_batch`` events) so the
-put path never waits on the master; a master that is down only delays them.
+put path never waits on the master; a master that is down only delays them. The
+first event after a quiet interval is sent at once, so a block stored then is in
+the index a round trip later (a decode engine looks up what a prefill engine has
+just stored), while a steady stream still costs one report an interval.
 
 Every membership call carries this process's incarnation (a random secret,
 ``kvstore.master.credentials``): the master binds the node id to it while the
@@ -111,6 +114,8 @@ class MasterAgent:
         self._flush_interval = flush_interval
         self._max_batch = max_batch
         self._heartbeat_interval = 1.0
+        self._last_report = 0.0  # monotonic time the last event report was sent
+        self.reports_sent = 0  # event reports sent (full inventories not counted)
         self._registration = threading.Event()  # set while the master knows this node
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstore-master-agent", daemon=True)
@@ -175,6 +180,8 @@ class MasterAgent:
     def _on_event(self, event: str, key, tier: str) -> None:
         kind = pb.BlockEvent.REMOVED if event == "removed" else pb.BlockEvent.STORED
         self._events.append((key, kind, TIER_OF_NAME[tier]))
+        if len(self._events) == 1 and time.monotonic() - self._last_report >= self._flush_interval:
+            self._wake.set()  # quiet until now: report at once rather than at the end of the interval
 
     # -- the agent thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -285,6 +292,8 @@ class MasterAgent:
             while self._events and len(batch) < self._max_batch:
                 batch.append(self._events.popleft())
             report = self._report(batch, full_inventory=False)
+            self._last_report = time.monotonic()
+            self.reports_sent += 1
             if not self._stub.ReportBlocks(report, timeout=10, metadata=self._metadata).known:
                 self._registration.clear()  # the next registration resends everything
             if len(batch) < self._max_batch and not drain:
