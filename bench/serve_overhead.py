@@ -3,8 +3,8 @@ directly.
 
 The direct path does what the router does, minus the router: the prefill engine's
 ``/v1/completions`` with ``max_tokens`` 1, not streamed (the router's prefill call), then a wait
-until the master's index lists the prompt's blocks (polled every 10 ms, as the router polls, so
-that the decode engine's lookup finds them), then the decode engine's streamed completion; its TTFT
+until the master's index lists the prompt's blocks (polled as the router polls: every 2 ms,
+backing off to 10, so that the decode engine's lookup finds them), then the decode engine's streamed completion; its TTFT
 runs from the first call to the decode stream's first chunk. What is left to the router: the
 request's hashing, the conductor's ``Schedule`` and the prefill_started / prefill_finished reports,
 the engine records' refresh, and one more HTTP hop each way.
@@ -23,6 +23,7 @@ import statistics
 import time
 
 from bench.serve_client import body_of, percentile, session, stream
+from kvstore.router.server import INDEX_POLL_S
 
 PROBE_OUTPUT = 4
 
@@ -42,9 +43,10 @@ async def direct(http, prefill_url: str, decode_url: str, prompt: list[int], ind
         await resp.read()
         if resp.status != 200:
             return {"ok": False, "error": f"prefill HTTP {resp.status}"}
-    deadline = time.monotonic() + 1.0
+    deadline, (poll, slowest) = time.monotonic() + 1.0, INDEX_POLL_S
     while not await asyncio.to_thread(indexed, prompt) and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(poll)
+        poll = min(poll * 2, slowest)
     waited = time.perf_counter()
     record = await stream(http, decode_url, body_of(prompt, PROBE_OUTPUT))
     if record["ttft_s"] is not None:

@@ -79,6 +79,9 @@ PREFILL_DROPPED = ("stream_options", "best_of", "min_tokens")
 # vLLM's OpenAI server (uvicorn) closes a keep-alive connection idle for 5 s: a pooled one kept
 # longer may be reused just as the engine closes it, and that reset would read as a dead engine.
 ENGINE_KEEPALIVE_S = 2.0
+# The index is polled for a prefill's blocks every INDEX_POLL_S[0] s at first (a node reports
+# the first blocks after a quiet spell at once), backing off to INDEX_POLL_S[1] s.
+INDEX_POLL_S = (0.002, 0.01)
 
 
 @dataclass(frozen=True)
@@ -565,10 +568,12 @@ class Router:
 
     async def _wait_indexed(self, keys) -> None:
         """Until the master's index holds the prompt's blocks the prefill stored (a node reports
-        its new blocks within ~50 ms), at most index_wait_s: the decode engine's lookup must see them."""
+        new blocks at once after a quiet spell, else within its flush interval, 50 ms), at most
+        index_wait_s: the decode engine's lookup must see them."""
         if not keys:
             return
         deadline = time.monotonic() + self.index_wait_s
+        poll, slowest = INDEX_POLL_S
         while True:
             try:
                 if await asyncio.to_thread(self.backend.indexed, keys) >= len(keys):
@@ -577,7 +582,8 @@ class Router:
                 return
             if time.monotonic() >= deadline:
                 return
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(poll)
+            poll = min(poll * 2, slowest)
 
     async def _decode(
         self, request: web.Request, engine: EngineRecord, body: dict, path: str, headers: dict
