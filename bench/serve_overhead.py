@@ -43,6 +43,7 @@ async def direct(http, prefill_url: str, decode_url: str, prompt: list[int], ind
         await resp.read()
         if resp.status != 200:
             return {"ok": False, "error": f"prefill HTTP {resp.status}"}
+    prefilled = time.perf_counter()
     deadline, (poll, slowest) = time.monotonic() + 1.0, INDEX_POLL_S
     while not await asyncio.to_thread(indexed, prompt) and time.monotonic() < deadline:
         await asyncio.sleep(poll)
@@ -50,8 +51,36 @@ async def direct(http, prefill_url: str, decode_url: str, prompt: list[int], ind
     waited = time.perf_counter()
     record = await stream(http, decode_url, body_of(prompt, PROBE_OUTPUT))
     if record["ttft_s"] is not None:
+        record["stages_s"] = {
+            "prefill": prefilled - start,
+            "to_decode": waited - prefilled,
+            "decode_first_byte": record["ttft_s"],
+        }
         record["ttft_s"] += waited - start
     return record
+
+
+async def router_stages(http, router_url: str) -> dict:
+    """The router's per-stage totals from its /metrics: {stage: [seconds, requests]}."""
+    async with http.get(f"{router_url}/metrics") as resp:
+        text = await resp.text()
+    out: dict = {}
+    for line in text.splitlines():
+        for name, column in (("kvstore_router_stage_seconds_total", 0), ("kvstore_router_stage_total", 1)):
+            if line.startswith(name + "{"):
+                stage = line.split('stage="', 1)[1].split('"', 1)[0]
+                out.setdefault(stage, [0.0, 0])[column] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def mean_stages_ms(before: dict, after: dict) -> dict:
+    """Mean ms a request spent in each router stage between two /metrics readings."""
+    out = {}
+    for stage, (seconds, count) in after.items():
+        was = before.get(stage, [0.0, 0])
+        if count > was[1]:
+            out[stage] = round((seconds - was[0]) / (count - was[1]) * 1000, 2)
+    return out
 
 
 def index_probe(master: str):
@@ -82,6 +111,8 @@ async def rounds(router_url: str, prefill_url: str, decode_url: str, indexed, ar
         await direct(http, prefill_url, decode_url, warm, indexed)
         for _ in range(args.overhead_rounds):
             diffs, router_ttft, direct_ttft = [], [], []
+            direct_stages: dict = {}
+            before = await router_stages(http, router_url)
             for pair in range(args.overhead_pairs):
                 prompts = [[rng.randrange(3, 1000) for _ in range(args.probe_tokens)] for _ in range(2)]
                 runs = {}
@@ -95,12 +126,16 @@ async def rounds(router_url: str, prefill_url: str, decode_url: str, indexed, ar
                     router_ttft.append(runs["router"]["ttft_s"])
                     direct_ttft.append(runs["direct"]["ttft_s"])
                     diffs.append(runs["router"]["ttft_s"] - runs["direct"]["ttft_s"])
+                    for stage, seconds in runs["direct"]["stages_s"].items():
+                        direct_stages.setdefault(stage, []).append(seconds)
             out.append(
                 {
                     "pairs": len(diffs),
                     "added_p50_ms": _ms(percentile(diffs, 50)),
                     "router_ttft_p50_ms": _ms(percentile(router_ttft, 50)),
                     "direct_ttft_p50_ms": _ms(percentile(direct_ttft, 50)),
+                    "router_stages_mean_ms": mean_stages_ms(before, await router_stages(http, router_url)),
+                    "direct_stages_mean_ms": {k: _ms(statistics.mean(v)) for k, v in direct_stages.items()},
                 }
             )
     return out

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from kvstore.router.server import Router, build_app  # noqa: E402
+from kvstore.router.server import STAGES, Router, build_app  # noqa: E402
 from tests.processes import wait_for  # noqa: E402
 from tests.router_fakes import FakeBackend, Served, fake_engine  # noqa: E402
 
@@ -291,6 +291,20 @@ def test_models_health_and_metrics(stack):
         text = resp.read().decode()
     assert 'kvstore_router_requests_total{outcome="ok"} 1' in text
     assert "kvstore_router_prefix_tokens_total 4" in text
+
+
+def test_metrics_time_every_stage_of_a_streamed_request(stack):
+    url, _, _ = stack
+    for _ in range(2):
+        post(f"{url}/v1/completions", {"model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 2, "stream": True})
+    with urllib.request.urlopen(f"{url}/metrics") as resp:
+        lines = resp.read().decode().splitlines()
+    for stage in STAGES:
+        seconds = next(
+            line for line in lines if line.startswith(f'kvstore_router_stage_seconds_total{{stage="{stage}"}}')
+        )
+        assert float(seconds.rsplit(" ", 1)[1]) > 0, stage
+        assert f'kvstore_router_stage_total{{stage="{stage}"}} 2' in lines, stage
 
 
 def test_connector_role_keys_are_checked_at_start():

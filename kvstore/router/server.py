@@ -79,6 +79,11 @@ PREFILL_DROPPED = ("stream_options", "best_of", "min_tokens")
 # vLLM's OpenAI server (uvicorn) closes a keep-alive connection idle for 5 s: a pooled one kept
 # longer may be reused just as the engine closes it, and that reset would read as a dead engine.
 ENGINE_KEEPALIVE_S = 2.0
+# What the router times per request (kvstore_router_stage_seconds_total): from its arrival to
+# the conductor's Schedule (the body, the engine records, tokens, hashes); Schedule; from then
+# to the prefill call; the prefill call; from its answer to the decode call (prefill_finished
+# and the index wait, side by side); the decode engine's first streamed byte.
+STAGES = ("accept", "schedule", "to_prefill", "prefill", "to_decode", "decode_first_byte")
 # The index is polled for a prefill's blocks every INDEX_POLL_S[0] s at first (a node reports
 # the first blocks after a quiet spell at once), backing off to INDEX_POLL_S[1] s.
 INDEX_POLL_S = (0.002, 0.01)
@@ -153,9 +158,16 @@ class Metrics:
     prompt_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    stages: dict = field(default_factory=dict)  # stage -> [seconds, times]: where a request's time goes
 
     def count(self, outcome: str) -> None:
         self.requests[outcome] = self.requests.get(outcome, 0) + 1
+
+    def timed(self, stage: str, seconds: float) -> None:
+        """One request spent ``seconds`` in ``stage`` (see ``STAGES``)."""
+        total = self.stages.setdefault(stage, [0.0, 0])
+        total[0] += seconds
+        total[1] += 1
 
     def text(self, engines: int) -> str:
         lines = [
@@ -163,6 +175,12 @@ class Metrics:
             "# TYPE kvstore_router_requests_total counter",
         ]
         lines += [f'kvstore_router_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.requests.items())]
+        for name, kind, text, column in (
+            ("stage_seconds_total", "counter", "Seconds requests spent in each stage before decode.", 0),
+            ("stage_total", "counter", "Requests timed in each stage.", 1),
+        ):
+            lines += [f"# HELP kvstore_router_{name} {text}", f"# TYPE kvstore_router_{name} {kind}"]
+            lines += [f'kvstore_router_{name}{{stage="{k}"}} {v[column]}' for k, v in sorted(self.stages.items())]
         for name, value, kind, text in (
             ("prompt_tokens_total", self.prompt_tokens, "counter", "Prompt tokens of scheduled requests."),
             ("prefix_tokens_total", self.prefix_tokens, "counter", "Prompt tokens the pool held at schedule."),
@@ -337,6 +355,7 @@ class Router:
 
     # -- one request -----------------------------------------------------------------------------
     async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
+        request["kvstore_arrived"] = time.perf_counter()
         try:
             body = await self._body(request, path)
             records = await self.engines_for(body.get("model"))
@@ -474,6 +493,10 @@ class Router:
         keys = [(namespace, h) for h in hashes]
         output_length = body.get("max_tokens") or body.get("max_completion_tokens") or 0
         request_id = uuid.uuid4().hex
+        clock = time.perf_counter()
+        arrived = request.pop("kvstore_arrived", None)  # timed on the first attempt only
+        if arrived is not None:
+            self.metrics.timed("accept", clock - arrived)
         try:
             where = await asyncio.to_thread(
                 self.backend.schedule, keys, len(tokens), output_length, request_id, namespace
@@ -498,16 +521,20 @@ class Router:
         }
         finished = False
         try:
+            clock = self._lap("schedule", clock)
             prefill = by_id.get(where.prefill_engine) or await self._record(where.prefill_engine)
             started = asyncio.ensure_future(self._report(namespace, request_id, "prefill_started"))
             try:  # the report goes while the prefill runs; it reaches the conductor before prefill_finished
+                clock = self._lap("to_prefill", clock)
                 await self._prefill(prefill, body, path)
+                clock = self._lap("prefill", clock)
             finally:
                 await started
             stored = keys + tail_keys(prefill, namespace, tokens, hashes)
             reply, _ = await asyncio.gather(
                 self._report(namespace, request_id, "prefill_finished"), self._wait_indexed(stored)
             )
+            clock = self._lap("to_decode", clock)
             if reply is not None and reply.rejected:
                 finished = True  # the conductor ended it
                 raise HTTPFailure(
@@ -519,7 +546,7 @@ class Router:
             decode_id = reply.decode_engine if reply is not None and reply.decode_engine else where.decode_engine
             headers["x-kvstore-decode-engine"] = decode_id
             decode = by_id.get(decode_id) or await self._record(decode_id)
-            response = await self._decode(request, decode, body, path, headers)
+            response = await self._decode(request, decode, body, path, headers, clock)
             finished = await self._report(namespace, request_id, "decode_finished") is not None
             self.metrics.count("ok")
             return response
@@ -585,17 +612,23 @@ class Router:
             await asyncio.sleep(poll)
             poll = min(poll * 2, slowest)
 
+    def _lap(self, stage: str, since: float) -> float:
+        """Time ``stage`` as from ``since`` to now; now."""
+        now = time.perf_counter()
+        self.metrics.timed(stage, now - since)
+        return now
+
     async def _decode(
-        self, request: web.Request, engine: EngineRecord, body: dict, path: str, headers: dict
+        self, request: web.Request, engine: EngineRecord, body: dict, path: str, headers: dict, clock: float
     ) -> web.StreamResponse:
         start = time.perf_counter()
         try:
-            return await self._relay(request, engine, body, path, headers)
+            return await self._relay(request, engine, body, path, headers, clock)
         finally:
             self.metrics.decode_seconds += time.perf_counter() - start
 
     async def _relay(
-        self, request: web.Request, engine: EngineRecord, body: dict, path: str, headers: dict
+        self, request: web.Request, engine: EngineRecord, body: dict, path: str, headers: dict, clock: float
     ) -> web.StreamResponse:
         try:
             resp = await self._session.post(f"{engine.url}/v1/{path}", json=body, timeout=self.timeout())
@@ -639,8 +672,12 @@ class Router:
             await out.prepare(request)
             tail = b""
             failure = None
+            first: float | None = clock
             try:
                 async for chunk in resp.content.iter_any():
+                    if first is not None:  # a streamed answer's first chunk: what TTFT waits for
+                        self._lap("decode_first_byte", first)
+                        first = None
                     await out.write(chunk)
                     tail = (tail + chunk)[-64:]
             except asyncio.TimeoutError:
