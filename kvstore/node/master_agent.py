@@ -8,11 +8,13 @@ says ``packed_reports``, else as STORED events. The agent takes and packs that
 inventory as soon as a call to the master fails, while the master is away (a
 restart takes it a second or so), so that registering with it costs only the
 sending; events after the snapshot wait in the queue and follow it.
-Events are batched (every ``flush_interval`` or ``max_batch`` events) so the
-put path never waits on the master; a master that is down only delays them. The
-first event after a quiet interval is sent at once, so a block stored then is in
-the index a round trip later (a decode engine looks up what a prefill engine has
-just stored), while a steady stream still costs one report an interval.
+Events are batched so the put path never waits on the master; a master that is
+down only delays them. Queued events go out when the stream pauses (no event for
+``_QUIET_S``, and ``_MIN_GAP_S`` since the last report), else ``flush_interval``
+after the last report, else as soon as ``max_batch`` are queued: a burst (a
+prefill engine's step) is in the index a few milliseconds after its last block,
+which a decode engine then looks up, while a steady stream costs one report an
+interval and no pattern more than one report every ``_MIN_GAP_S``.
 
 Every membership call carries this process's incarnation (a random secret,
 ``kvstore.master.credentials``): the master binds the node id to it while the
@@ -55,6 +57,8 @@ _RETRY_S = 0.25
 # A snapshot taken while the master was away is sent as is unless this many events came after it
 # (they follow it as events): past that, a fresh snapshot is cheaper for the master to take in.
 _STALE_EVENTS = 100_000
+_QUIET_S = 0.002  # no event for this long: the burst is over, report it
+_MIN_GAP_S = 0.01  # reports at most this often, however the events come
 _CHANNEL_OPTIONS = [option for option in GRPC_OPTIONS if "reconnect_backoff" not in option[0]] + [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -115,6 +119,7 @@ class MasterAgent:
         self._max_batch = max_batch
         self._heartbeat_interval = 1.0
         self._last_report = 0.0  # monotonic time the last event report was sent
+        self._last_event = 0.0  # monotonic time the last event was queued
         self.reports_sent = 0  # event reports sent (full inventories not counted)
         self._registration = threading.Event()  # set while the master knows this node
         self._stop = threading.Event()
@@ -180,8 +185,9 @@ class MasterAgent:
     def _on_event(self, event: str, key, tier: str) -> None:
         kind = pb.BlockEvent.REMOVED if event == "removed" else pb.BlockEvent.STORED
         self._events.append((key, kind, TIER_OF_NAME[tier]))
-        if len(self._events) == 1 and time.monotonic() - self._last_report >= self._flush_interval:
-            self._wake.set()  # quiet until now: report at once rather than at the end of the interval
+        self._last_event = time.monotonic()
+        if len(self._events) == 1:
+            self._wake.set()  # the agent waits for events: time their report from now
 
     # -- the agent thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -197,7 +203,8 @@ class MasterAgent:
                     next_heartbeat = time.monotonic() + self._heartbeat_interval
                     if not self._registration.is_set():  # a master that does not know this node: register now
                         continue
-                self._flush()
+                if self._report_wait() == 0:
+                    self._flush()
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                     self._on_refused(exc.details())
@@ -218,7 +225,8 @@ class MasterAgent:
                 self._prepare_inventory()
                 self._pause(min(self._heartbeat_interval, _RETRY_S))
                 continue
-            self._pause(self._flush_interval)
+            wait = self._report_wait()
+            self._pause(self._flush_interval if wait is None else max(wait, 0.001))  # a stream does not spin it
         try:
             self._flush(drain=True)
         except grpc.RpcError:
@@ -279,10 +287,22 @@ class MasterAgent:
         if self._usage is not None and allowances:
             self._usage.allow({a.tenant: a.bytes for a in allowances})
 
-    def _flush(self, drain: bool = False) -> None:
-        """Report queued events: full batches at once, a partial one only every flush interval.
+    def _report_wait(self) -> float | None:
+        """Seconds until the queued events are due (see the module doc): 0 now, None when none
+        are queued (the first one wakes the agent)."""
+        if not self._events:
+            return None
+        if len(self._events) >= self._max_batch:
+            return 0.0
+        now = time.monotonic()
+        since_report = now - self._last_report
+        quiet = max(_QUIET_S - (now - self._last_event), _MIN_GAP_S - since_report)
+        return max(min(self._flush_interval - since_report, quiet), 0.0)
 
-        Events that arrive while a report is in flight wait for the next interval
+    def _flush(self, drain: bool = False) -> None:
+        """Report queued events: full batches, then the partial rest, once.
+
+        Events that arrive while a report is in flight wait until they are due
         (unless ``drain``): looping until the queue is empty would, under a steady
         put load, send a report every few events and cost the master and this
         node a gRPC call per put or so.
