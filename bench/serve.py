@@ -27,8 +27,9 @@ TBT p50/p90 (``bench/serve_client.py`` says how they are timed), the requests me
 (``--ttft-slo``, ``--tbt-slo``), and the prefill tokens computed: per engine the growth over the
 replay of vLLM's ``vllm:prompt_tokens_by_source{source="local_compute"}`` (prompt tokens the
 engine ran through the model: neither in its own prefix cache nor loaded by a connector), summed
-over the setup's engines; in (a) that includes the decode engine's share, the tail of each prompt
-it cannot load (the last partial block, at least one token). The ratios are (a)/(b).
+over the setup's engines; in (a) that includes the decode engine's share: each prompt's last
+token (and its last partial block where the prefill engine stores none, connector key
+``partial_blocks`` off). The ratios are (a)/(b).
 
 Router overhead, in (a) after the replay: ``--overhead-rounds`` rounds of ``--overhead-pairs``
 pairs of new random prompts, one of each pair through the router and one through the same steps

@@ -1155,6 +1155,15 @@ def bench(
     show_default=True,
     help="Seconds to wait after a prefill for the master's index to list the prompt's blocks.",
 )
+@click.option(
+    "--switch-interval",
+    type=click.FloatRange(min=0.0001, max=0.1),
+    default=0.0005,
+    show_default=True,
+    help="Seconds a thread holds Python's GIL while another waits for it (sys.setswitchinterval; Python's own "
+    "default is 0.005): the router's pool calls finish in threads, and each hand-off back to the event loop "
+    "waits up to this long, on every request's path to its first token.",
+)
 @client_security_options
 @etcd_tls_options
 @config_option
@@ -1168,11 +1177,15 @@ def router(
     read_timeout,
     prefill_timeout,
     index_wait,
+    switch_interval,
     as_json,
     **credentials,
 ) -> None:
     """Serve an OpenAI-compatible API that runs prefill and decode on the engines the conductor picks."""
     import asyncio
+    import sys
+
+    sys.setswitchinterval(switch_interval)
 
     from kvstore.router.server import PoolBackend, Router, serve
     from kvstore.serving import service_process
