@@ -97,7 +97,10 @@ class SchedulingCalls:
         output_length: int = 0,
         request_id: str = "",
         namespace: str | None = None,
+        start_prefill: bool = False,
     ) -> EngineAssignment:
+        """Place one request. ``start_prefill``: the caller sends it to the prefill engine at once,
+        so the conductor counts it as started there (no ``prefill_started`` report follows)."""
         if namespace is None:
             if not keys:
                 raise ValueError("schedule needs block keys or a namespace")
@@ -110,6 +113,7 @@ class SchedulingCalls:
                 digests=[k[1] for k in keys],
                 input_length=input_length,
                 output_length=output_length,
+                start_prefill=start_prefill,
             ),
         )
         return EngineAssignment(**{f: getattr(reply, f) for f in EngineAssignment.__dataclass_fields__})

@@ -101,6 +101,16 @@ def test_a_rejection_after_prefill_carries_reason_and_detail(serve):
     assert reply.rejected and reply.reason == "decode_overloaded" and "d0 load" in reply.detail
 
 
+def test_schedule_with_start_prefill_needs_no_prefill_started_report(serve):
+    calls, servicer, _, _ = serve(admission="none")
+    engines(calls)
+    calls.schedule(KEYS, 64, request_id="s", start_prefill=True)
+    with pytest.raises(grpc.RpcError) as twice:  # started already
+        calls.report_request(NS, "s", "prefill_started")
+    assert twice.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert calls.report_request(NS, "s", "prefill_finished").decode_engine == "d0"
+
+
 def test_deregister_engine(serve):
     calls, servicer, _, _ = serve(admission="early")
     engines(calls, prefill=("p0", "p1"))

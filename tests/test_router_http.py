@@ -90,7 +90,7 @@ def test_prefill_gets_one_token_then_decode_gets_the_request_unchanged(stack):
     keys, input_length, output_length, namespace = backend.scheduled[0]
     assert (len(keys), input_length, output_length, namespace) == (2, 10, 5, "ns/layer1")  # 10 tokens: 2 blocks of 4
     assert headers["x-kvstore-prefix-tokens"] == "8" and headers["x-kvstore-decode-engine"] == "D"
-    assert backend.reports == ["prefill_started", "prefill_finished", "decode_finished"]
+    assert backend.reports == ["prefill_finished", "decode_finished"]  # prefill_started: with Schedule
 
 
 def test_the_router_waits_for_the_prompts_partial_last_block_too(stack):
@@ -144,7 +144,7 @@ def test_an_engine_refusal_passes_through_and_the_request_is_cancelled(stack):
     url, backend, _ = stack
     status, _, data = post(f"{url}/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 500})
     assert status == 400 and json.loads(data)["error"]["message"] == "too many"  # the engine's own answer
-    assert backend.reports == ["prefill_started", "prefill_finished", "cancelled"]
+    assert backend.reports == ["prefill_finished", "cancelled"]
 
 
 def sse_events(data: bytes) -> list[str]:

@@ -74,6 +74,18 @@ def test_lifecycle_keeps_queue_times():
         c.prefill_started("nope", now=0.0)
 
 
+def test_a_request_scheduled_with_start_prefill_is_as_one_reported_started():
+    reported, started = make("off", prefill=1), make("off", prefill=1)
+    a = reported.schedule(KEYS, 4000, 10, now=0.0, request_id="a")
+    reported.prefill_started("a", now=0.0)
+    b = started.schedule(KEYS, 4000, 10, now=0.0, request_id="a", start_prefill=True)
+    assert a == b
+    assert started.loads(now=1.0) == reported.loads(now=1.0)
+    with pytest.raises(InvalidRequest):
+        started.prefill_started("a", now=0.0)  # started already: not queued any more
+    assert isinstance(started.prefill_finished("a", now=a.service_s), DecodeAssignment)
+
+
 def test_time_comes_from_the_injected_clock():
     clock = SimClock(100.0)
     c = make("off", prefill=1, clock=clock)

@@ -369,18 +369,20 @@ class EngineDeregistered(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., ended_requests: _Optional[int] = ...) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("namespace", "request_id", "digests", "input_length", "output_length")
+    __slots__ = ("namespace", "request_id", "digests", "input_length", "output_length", "start_prefill")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    START_PREFILL_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     request_id: str
     digests: _containers.RepeatedScalarFieldContainer[bytes]
     input_length: int
     output_length: int
-    def __init__(self, namespace: _Optional[str] = ..., request_id: _Optional[str] = ..., digests: _Optional[_Iterable[bytes]] = ..., input_length: _Optional[int] = ..., output_length: _Optional[int] = ...) -> None: ...
+    start_prefill: bool
+    def __init__(self, namespace: _Optional[str] = ..., request_id: _Optional[str] = ..., digests: _Optional[_Iterable[bytes]] = ..., input_length: _Optional[int] = ..., output_length: _Optional[int] = ..., start_prefill: _Optional[bool] = ...) -> None: ...
 
 class ScheduleReply(_message.Message):
     __slots__ = ("request_id", "prefill_engine", "prefill_node", "decode_engine", "prefix_blocks", "prefix_tokens", "fetch_from_node", "fetch_blocks", "estimated_ttft_s", "estimated_tbt_s", "reason", "detail")

@@ -146,6 +146,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             request.input_length,
             request.output_length,
             request_id=request.request_id or uuid.uuid4().hex,
+            start_prefill=request.start_prefill,
         )
         if isinstance(outcome, Rejected):
             context.set_trailing_metadata([(REJECTION_METADATA, _rejection_reply(outcome).SerializeToString())])

@@ -7,11 +7,11 @@ Per ``/v1/completions`` or ``/v1/chat/completions`` request:
 2. hash the ids into block keys with ``VLLMBlockHasher`` under the settings the engines
    announced (block size, hash algorithm, ``PYTHONHASHSEED``; a request's ``cache_salt`` too),
    in the conductor namespace they registered in (their last layer's pool namespace);
-3. ``Schedule`` at the conductor: a rejection is HTTP 429 with ``Retry-After``;
+3. ``Schedule`` at the conductor, with ``start_prefill`` (the prefill goes out at once, so
+   no prefill_started report follows): a rejection is HTTP 429 with ``Retry-After``;
 4. send the request to the chosen prefill engine with ``max_tokens`` 1, not streamed: its
-   connector stores the prompt's KV in the pool; ``report_request`` prefill_started (sent
-   while the prefill runs) and prefill_finished (which names the decode engine, or rejects:
-   429 again), while waiting (at most ``index_wait_s``) until the master's index holds the
+   connector stores the prompt's KV in the pool; ``report_request`` prefill_finished (which
+   names the decode engine, or rejects: 429 again), while waiting (at most ``index_wait_s``) until the master's index holds the
    prompt's blocks (its partial last block too, under ``vllm_hashing.tail_hash``, when the
    prefill engine stores those), so the decode engine's lookup finds what was just stored;
 5. send the request as it came to the decode engine, which loads the prefix from the pool and
@@ -133,8 +133,9 @@ class PoolBackend:
         return records
 
     def schedule(self, keys, input_length: int, output_length: int, request_id: str, namespace: str):
+        """The conductor's placement; the prefill goes out at once, so it counts as started."""
         return self._client.scheduling.schedule(
-            keys, input_length, output_length, request_id=request_id, namespace=namespace
+            keys, input_length, output_length, request_id=request_id, namespace=namespace, start_prefill=True
         )
 
     def report(self, namespace: str, request_id: str, stage: str):
@@ -523,13 +524,9 @@ class Router:
         try:
             clock = self._lap("schedule", clock)
             prefill = by_id.get(where.prefill_engine) or await self._record(where.prefill_engine)
-            started = asyncio.ensure_future(self._report(namespace, request_id, "prefill_started"))
-            try:  # the report goes while the prefill runs; it reaches the conductor before prefill_finished
-                clock = self._lap("to_prefill", clock)
-                await self._prefill(prefill, body, path)
-                clock = self._lap("prefill", clock)
-            finally:
-                await started
+            clock = self._lap("to_prefill", clock)
+            await self._prefill(prefill, body, path)  # started with Schedule: no prefill_started report
+            clock = self._lap("prefill", clock)
             stored = keys + tail_keys(prefill, namespace, tokens, hashes)
             reply, _ = await asyncio.gather(
                 self._report(namespace, request_id, "prefill_finished"), self._wait_indexed(stored)

@@ -233,10 +233,18 @@ class Conductor:
 
     # -- the decision -----------------------------------------------------------------------
     def schedule(
-        self, block_keys: Sequence, input_len: int, output_len: int = 0, now: float | None = None, request_id=None
+        self,
+        block_keys: Sequence,
+        input_len: int,
+        output_len: int = 0,
+        now: float | None = None,
+        request_id=None,
+        start_prefill: bool = False,
     ) -> Decision | Rejected:
         """Place one request (Algorithm 1 + admission). ``block_keys``: the request's chained block
-        digests (bytes) or engine hash ids (ints / hex), one per ``block_tokens`` tokens."""
+        digests (bytes) or engine hash ids (ints / hex), one per ``block_tokens`` tokens.
+        ``start_prefill``: the caller sends it to the prefill instance at once (as a router does),
+        so it starts there now, as on a ``prefill_started`` report, one call fewer."""
         now = self._now(now)
         if input_len < 0 or output_len < 0:
             raise InvalidRequest("input_len and output_len cannot be negative")
@@ -273,6 +281,8 @@ class Conductor:
                 self.registry.reserve_decode(pick.instance, request_id, tokens)
                 req.paired = pick.instance.instance_id
             self.predictor.admitted(request_id, tokens, now + placement.ttft_s)
+            if start_prefill:
+                self.registry.start_prefill(inst, request_id, now)
         return self._decision(request_id, placement, pick, digests, input_len)
 
     def _arrival_check(self, request_id, placement: PrefillChoice, pick, tokens: int, now: float) -> Rejected | None:
