@@ -118,6 +118,19 @@ class KVStoreGroup(click.Group):
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 
 
+def switch_interval_option(f):
+    """--switch-interval: how long a thread may keep Python's GIL while another waits for it."""
+    return click.option(
+        "--switch-interval",
+        type=click.FloatRange(min=0.0001, max=0.1),
+        default=0.0005,
+        show_default=True,
+        help="Seconds a thread keeps Python's GIL while another waits for it (sys.setswitchinterval; Python's "
+        "default is 0.005). Each gRPC call the process serves or makes is handed between threads, and every "
+        "hand-off waits up to this long: on a request's path to its first token, several times.",
+    )(f)
+
+
 @click.group(
     cls=KVStoreGroup, context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "KVSTORE"}
 )
@@ -510,6 +523,7 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
     metavar="HOST:PORT",
     help="The gRPC address put in etcd for nodes and clients (default: the address listened on).",
 )
+@switch_interval_option
 @etcd_tls_options
 @scheduling_options
 @kv_events_options
@@ -541,6 +555,7 @@ def master(
     etcd_ca,
     etcd_cert,
     etcd_key,
+    switch_interval,
     **scheduling,
 ) -> None:
     """Run the master: membership, the global prefix index, placement and the conductor."""
@@ -560,7 +575,7 @@ def master(
         etcd = EtcdOptions(
             etcd_endpoints, etcd_prefix, etcd_lease_ttl, advertise, tls=etcd_tls_of(etcd_ca, etcd_cert, etcd_key)
         )
-    signals = service_process()
+    signals = service_process(switch_interval)
     server = start_master(
         host,
         port,
@@ -1155,15 +1170,7 @@ def bench(
     show_default=True,
     help="Seconds to wait after a prefill for the master's index to list the prompt's blocks.",
 )
-@click.option(
-    "--switch-interval",
-    type=click.FloatRange(min=0.0001, max=0.1),
-    default=0.0005,
-    show_default=True,
-    help="Seconds a thread holds Python's GIL while another waits for it (sys.setswitchinterval; Python's own "
-    "default is 0.005): the router's pool calls finish in threads, and each hand-off back to the event loop "
-    "waits up to this long, on every request's path to its first token.",
-)
+@switch_interval_option
 @client_security_options
 @etcd_tls_options
 @config_option
@@ -1183,14 +1190,11 @@ def router(
 ) -> None:
     """Serve an OpenAI-compatible API that runs prefill and decode on the engines the conductor picks."""
     import asyncio
-    import sys
-
-    sys.setswitchinterval(switch_interval)
 
     from kvstore.router.server import PoolBackend, Router, serve
     from kvstore.serving import service_process
 
-    signals = service_process()
+    signals = service_process(switch_interval)
     backend = PoolBackend(connect(master_address, **credentials), namespace)
     routing = Router(
         backend,

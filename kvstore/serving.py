@@ -58,10 +58,16 @@ class StopSignals:
                 stop()
 
 
-def service_process() -> StopSignals:
-    """Ready this process to run services (call before starting them): its StopSignals."""
+def service_process(switch_interval: float | None = None) -> StopSignals:
+    """Ready this process to run services (call before starting them): its StopSignals.
+    ``switch_interval``: seconds a thread may keep the GIL while another waits for it
+    (``sys.setswitchinterval``; None: Python's default)."""
+    import sys
+
     from kvstore import gc_pauses
 
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
     signals = StopSignals()
     gc_pauses.install()
     return signals
