@@ -126,8 +126,9 @@ def switch_interval_option(f):
         default=0.0005,
         show_default=True,
         help="Seconds a thread keeps Python's GIL while another waits for it (sys.setswitchinterval; Python's "
-        "default is 0.005). Each gRPC call the process serves or makes is handed between threads, and every "
-        "hand-off waits up to this long: on a request's path to its first token, several times.",
+        "default is 0.005). Each pool call the router makes finishes in a thread and is handed back to its "
+        "event loop, and every hand-off waits up to this long: on a request's path to its first token, "
+        "several times.",
     )(f)
 
 
@@ -523,7 +524,6 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
     metavar="HOST:PORT",
     help="The gRPC address put in etcd for nodes and clients (default: the address listened on).",
 )
-@switch_interval_option
 @etcd_tls_options
 @scheduling_options
 @kv_events_options
@@ -555,7 +555,6 @@ def master(
     etcd_ca,
     etcd_cert,
     etcd_key,
-    switch_interval,
     **scheduling,
 ) -> None:
     """Run the master: membership, the global prefix index, placement and the conductor."""
@@ -575,7 +574,7 @@ def master(
         etcd = EtcdOptions(
             etcd_endpoints, etcd_prefix, etcd_lease_ttl, advertise, tls=etcd_tls_of(etcd_ca, etcd_cert, etcd_key)
         )
-    signals = service_process(switch_interval)
+    signals = service_process()
     server = start_master(
         host,
         port,
