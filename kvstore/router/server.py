@@ -11,9 +11,10 @@ Per ``/v1/completions`` or ``/v1/chat/completions`` request:
    no prefill_started report follows): a rejection is HTTP 429 with ``Retry-After``;
 4. send the request to the chosen prefill engine with ``max_tokens`` 1, not streamed: its
    connector stores the prompt's KV in the pool; ``report_request`` prefill_finished (which
-   names the decode engine, or rejects: 429 again), while waiting (at most ``index_wait_s``) until the master's index holds the
-   prompt's blocks (its partial last block too, under ``vllm_hashing.tail_hash``, when the
-   prefill engine stores those), so the decode engine's lookup finds what was just stored;
+   names the decode engine, or rejects: 429 again), while waiting (at most ``index_wait_s``)
+   until the master's index holds the prompt's blocks (its partial last block too, under
+   ``vllm_hashing.tail_hash``, when the prefill engine stores those), so the decode engine's
+   lookup finds what was just stored;
 5. send the request as it came to the decode engine, which loads the prefix from the pool and
    generates; its answer (or SSE stream) goes back unchanged, then decode_finished (cancelled
    on any failure).
@@ -84,8 +85,8 @@ ENGINE_KEEPALIVE_S = 2.0
 # to the prefill call; the prefill call; from its answer to the decode call (prefill_finished
 # and the index wait, side by side); the decode engine's first streamed byte.
 STAGES = ("accept", "schedule", "to_prefill", "prefill", "to_decode", "decode_first_byte")
-# The index is polled for a prefill's blocks every INDEX_POLL_S[0] s at first (a node reports
-# the first blocks after a quiet spell at once), backing off to INDEX_POLL_S[1] s.
+# The index is polled for a prefill's blocks every INDEX_POLL_S[0] s at first (a node reports a
+# burst of blocks a few ms after its last one), backing off to INDEX_POLL_S[1] s.
 INDEX_POLL_S = (0.002, 0.01)
 
 
