@@ -593,7 +593,7 @@ class Router:
 
     async def _wait_indexed(self, keys) -> None:
         """Until the master's index holds the prompt's blocks the prefill stored (a node reports
-        new blocks at once after a quiet spell, else within its flush interval, 50 ms), at most
+        a burst of new blocks a few ms after its last one, a steady stream within 50 ms), at most
         index_wait_s: the decode engine's lookup must see them."""
         if not keys:
             return
