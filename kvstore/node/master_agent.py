@@ -265,6 +265,10 @@ class MasterAgent:
             inventory = Inventory(self.info.node_id, self._store.inventory(then=self._events.clear))
         for report in inventory.reports(packed=reply.packed_reports):
             self._stub.ReportBlocks(report, timeout=30, metadata=self._metadata)
+        # A snapshot taken while the master was away has events after it: they go now, so
+        # that the index holds everything this node stores once it counts as registered.
+        if not self._flush(drain=True, registering=True):
+            return  # the master forgot this node meanwhile: the next loop registers again
         self._registration.set()
         self._unreachable = False
         if self.refused is not None:
@@ -299,15 +303,16 @@ class MasterAgent:
         quiet = max(_QUIET_S - (now - self._last_event), _MIN_GAP_S - since_report)
         return max(min(self._flush_interval - since_report, quiet), 0.0)
 
-    def _flush(self, drain: bool = False) -> None:
-        """Report queued events: full batches, then the partial rest, once.
+    def _flush(self, drain: bool = False, registering: bool = False) -> bool:
+        """Report queued events: full batches, then the partial rest, once (while registered, or
+        ``registering``); False if the master no longer knows this node.
 
         Events that arrive while a report is in flight wait until they are due
         (unless ``drain``): looping until the queue is empty would, under a steady
         put load, send a report every few events and cost the master and this
         node a gRPC call per put or so.
         """
-        while self._events and self._registration.is_set():
+        while self._events and (registering or self._registration.is_set()):
             batch = []
             while self._events and len(batch) < self._max_batch:
                 batch.append(self._events.popleft())
@@ -316,8 +321,10 @@ class MasterAgent:
             self.reports_sent += 1
             if not self._stub.ReportBlocks(report, timeout=10, metadata=self._metadata).known:
                 self._registration.clear()  # the next registration resends everything
+                return False
             if len(batch) < self._max_batch and not drain:
-                return
+                break
+        return True
 
     def live_data_addresses(self) -> set[str]:
         """Data addresses of the nodes whose lease the master holds live (grpc.RpcError if it cannot say)."""

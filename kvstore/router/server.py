@@ -88,6 +88,7 @@ STAGES = ("accept", "schedule", "to_prefill", "prefill", "to_decode", "decode_fi
 # The index is polled for a prefill's blocks every INDEX_POLL_S[0] s at first (a node reports a
 # burst of blocks a few ms after its last one), backing off to INDEX_POLL_S[1] s.
 INDEX_POLL_S = (0.002, 0.01)
+_ARRIVED = web.RequestKey("kvstore_arrived", float)  # perf_counter() when the request came in
 
 
 @dataclass(frozen=True)
@@ -357,7 +358,7 @@ class Router:
 
     # -- one request -----------------------------------------------------------------------------
     async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
-        request["kvstore_arrived"] = time.perf_counter()
+        request[_ARRIVED] = time.perf_counter()
         try:
             body = await self._body(request, path)
             records = await self.engines_for(body.get("model"))
@@ -496,7 +497,7 @@ class Router:
         output_length = body.get("max_tokens") or body.get("max_completion_tokens") or 0
         request_id = uuid.uuid4().hex
         clock = time.perf_counter()
-        arrived = request.pop("kvstore_arrived", None)  # timed on the first attempt only
+        arrived = request.pop(_ARRIVED, None)  # timed on the first attempt only
         if arrived is not None:
             self.metrics.timed("accept", clock - arrived)
         try:
