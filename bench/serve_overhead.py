@@ -4,10 +4,12 @@ directly.
 The direct path does what the router does, minus the router: the prefill engine's
 ``/v1/completions`` with ``max_tokens`` 1, not streamed (the router's prefill call), then a wait
 until the master's index lists the prompt's blocks (polled as the router polls: every 2 ms,
-backing off to 10, so that the decode engine's lookup finds them), then the decode engine's streamed completion; its TTFT
-runs from the first call to the decode stream's first chunk. What is left to the router: the
-request's hashing, the conductor's ``Schedule`` and the prefill_started / prefill_finished reports,
-the engine records' refresh, and one more HTTP hop each way.
+backing off to 10, so that the decode engine's lookup finds them), then the decode engine's
+streamed completion; its TTFT runs from the first call to the decode stream's first chunk. What
+is left to the router: the request's hashing, the conductor's ``Schedule`` and prefill_finished
+report, the engine records' refresh, and one more HTTP hop each way. Each round also reports
+the mean time a request spent in each stage: the router's from its ``/metrics``
+(``kvstore_router_stage_seconds_total``), the direct path's as this bench times it.
 
 Each pair is two new random prompts of ``--probe-tokens`` (nothing cached anywhere), one per path,
 the path going first alternating pair by pair (one direct call before, not counted: its
