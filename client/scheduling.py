@@ -44,6 +44,11 @@ class EngineAssignment:
     fetch_blocks: int
     estimated_ttft_s: float
     estimated_tbt_s: float
+    decode_final: bool = False  # prefill_finished will name decode_engine and cannot reject
+
+
+def assignment_of(reply: pb.ScheduleReply) -> EngineAssignment:
+    return EngineAssignment(**{f: getattr(reply, f) for f in EngineAssignment.__dataclass_fields__})
 
 
 class SchedulingCalls:
@@ -116,7 +121,7 @@ class SchedulingCalls:
                 start_prefill=start_prefill,
             ),
         )
-        return EngineAssignment(**{f: getattr(reply, f) for f in EngineAssignment.__dataclass_fields__})
+        return assignment_of(reply)
 
     def _schedule(self, request: pb.ScheduleRequest, **kwargs) -> pb.ScheduleReply:
         """The Schedule call; a rejection raises Overloaded with the reply's ``reason`` field."""

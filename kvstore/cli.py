@@ -488,6 +488,14 @@ def announce(as_json: bool, lines: list[str], record: dict) -> None:
     "--metrics-port", type=METRICS_PORT, default=7702, show_default=True, help="Prometheus port (0: any, -1: off)."
 )
 @click.option(
+    "--conductor-port",
+    type=METRICS_PORT,
+    default=0,
+    show_default=True,
+    help="Port of the conductor port, where routers send Schedule and ReportRequest as framed TCP "
+    "(0: any free port, announced in ClusterStatus; -1: off, routers use gRPC).",
+)
+@click.option(
     "--ttl",
     type=POSITIVE_FLOAT,
     default=5.0,
@@ -534,6 +542,7 @@ def master(
     host,
     port,
     metrics_port,
+    conductor_port,
     ttl,
     replicas,
     etcd_endpoints,
@@ -585,6 +594,7 @@ def master(
         security=security,
         cost=cost_model_of(click.get_current_context()),
         etcd=etcd,
+        conductor_port=None if conductor_port < 0 else conductor_port,
         **scheduling,
     )
     announce(
@@ -592,10 +602,12 @@ def master(
         [f"kvstore master listening on {server.address}"]
         + ([f"campaigning for leadership in etcd {etcd_endpoints} under {etcd_prefix}"] if etcd else [])
         + ([f"metrics on http://{server.metrics_address}/metrics"] if server.metrics_address else [])
+        + ([f"conductor port on {server.conductor_address}"] if server.conductor_address else [])
         + kv_events_lines(server),
         {
             "master": server.address,
             "metrics": server.metrics_address,
+            "conductor": server.conductor_address,
             **kv_events_record(server),
             **({"etcd": f"etcd://{etcd_endpoints}{'' if etcd_prefix == '/kvstore' else etcd_prefix}"} if etcd else {}),
         },
@@ -619,6 +631,7 @@ def start_master(
     cost=None,
     etcd=None,
     max_requests=100_000,
+    conductor_port=0,
 ):
     from kvstore.master.conductor_service import SchedulingOptions
     from kvstore.master.server import MasterServer
@@ -652,6 +665,7 @@ def start_master(
         dialing=security.dialing,
         cost=cost,
         etcd=etcd,
+        conductor_port=conductor_port,
     ).start()
 
 

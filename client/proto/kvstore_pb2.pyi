@@ -253,14 +253,16 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatusReply(_message.Message):
-    __slots__ = ("nodes", "indexed_keys", "replication_factor")
+    __slots__ = ("nodes", "indexed_keys", "replication_factor", "conductor_address")
     NODES_FIELD_NUMBER: _ClassVar[int]
     INDEXED_KEYS_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    CONDUCTOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     indexed_keys: int
     replication_factor: int
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., indexed_keys: _Optional[int] = ..., replication_factor: _Optional[int] = ...) -> None: ...
+    conductor_address: str
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., indexed_keys: _Optional[int] = ..., replication_factor: _Optional[int] = ..., conductor_address: _Optional[str] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("node_id",)
@@ -385,7 +387,7 @@ class ScheduleRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., request_id: _Optional[str] = ..., digests: _Optional[_Iterable[bytes]] = ..., input_length: _Optional[int] = ..., output_length: _Optional[int] = ..., start_prefill: _Optional[bool] = ...) -> None: ...
 
 class ScheduleReply(_message.Message):
-    __slots__ = ("request_id", "prefill_engine", "prefill_node", "decode_engine", "prefix_blocks", "prefix_tokens", "fetch_from_node", "fetch_blocks", "estimated_ttft_s", "estimated_tbt_s", "reason", "detail")
+    __slots__ = ("request_id", "prefill_engine", "prefill_node", "decode_engine", "prefix_blocks", "prefix_tokens", "fetch_from_node", "fetch_blocks", "estimated_ttft_s", "estimated_tbt_s", "reason", "detail", "decode_final")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +400,7 @@ class ScheduleReply(_message.Message):
     ESTIMATED_TBT_S_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FINAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_engine: str
     prefill_node: str
@@ -410,7 +413,8 @@ class ScheduleReply(_message.Message):
     estimated_tbt_s: float
     reason: str
     detail: str
-    def __init__(self, request_id: _Optional[str] = ..., prefill_engine: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_engine: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., fetch_from_node: _Optional[str] = ..., fetch_blocks: _Optional[int] = ..., estimated_ttft_s: _Optional[float] = ..., estimated_tbt_s: _Optional[float] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    decode_final: bool
+    def __init__(self, request_id: _Optional[str] = ..., prefill_engine: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_engine: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., fetch_from_node: _Optional[str] = ..., fetch_blocks: _Optional[int] = ..., estimated_ttft_s: _Optional[float] = ..., estimated_tbt_s: _Optional[float] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., decode_final: _Optional[bool] = ...) -> None: ...
 
 class RequestEvent(_message.Message):
     __slots__ = ("namespace", "request_id", "stage")

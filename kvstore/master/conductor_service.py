@@ -140,6 +140,19 @@ class ConductorServicer(pb_grpc.ConductorServicer):
 
     @_rpc
     def Schedule(self, request, context):
+        try:
+            return self.schedule(request)
+        except ScheduleRejected as rejected:
+            context.set_trailing_metadata([(REJECTION_METADATA, rejected.reply.SerializeToString())])
+            raise
+
+    @_rpc
+    def ReportRequest(self, request, context):
+        return self.report_request(request)
+
+    # -- the calls behind the RPCs (the conductor port serves them too) ------------------------
+    def schedule(self, request: pb.ScheduleRequest) -> pb.ScheduleReply:
+        """Place one request; ScheduleRejected when the conductor turns it away."""
         conductor = self.conductor(request.namespace)
         outcome = conductor.schedule(
             list(request.digests),
@@ -149,8 +162,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             start_prefill=request.start_prefill,
         )
         if isinstance(outcome, Rejected):
-            context.set_trailing_metadata([(REJECTION_METADATA, _rejection_reply(outcome).SerializeToString())])
-            raise Overloaded(outcome.message, outcome.reason.value)
+            raise ScheduleRejected(outcome)
         if outcome.fetch_from and outcome.fetch_blocks:
             self._replicator.copy(
                 request.namespace,
@@ -161,8 +173,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             )
         return _schedule_reply(outcome)
 
-    @_rpc
-    def ReportRequest(self, request, context):
+    def report_request(self, request: pb.RequestEvent) -> pb.RequestEventReply:
         conductor = self.conductor(request.namespace)
         request_id = request.request_id
         if request.stage == _Stage.PREFILL_STARTED:
@@ -179,6 +190,14 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         else:
             raise InvalidRequest("unknown request stage")
         return pb.RequestEventReply()
+
+
+class ScheduleRejected(Overloaded):
+    """Schedule turned a request away; ``reply``: the ScheduleReply saying why (reason, detail)."""
+
+    def __init__(self, rejected: Rejected):
+        super().__init__(rejected.message, rejected.reason.value)
+        self.reply = _rejection_reply(rejected)
 
 
 def _rejection_reply(r: Rejected) -> pb.ScheduleReply:
@@ -199,4 +218,5 @@ def _schedule_reply(d: Decision) -> pb.ScheduleReply:
         fetch_blocks=len(d.fetch_blocks),
         estimated_ttft_s=d.est_ttft_s,
         estimated_tbt_s=d.est_tbt_s,
+        decode_final=d.decode_final,
     )

@@ -37,6 +37,7 @@ import grpc
 
 from kvstore.master.drain import Drainer
 from kvstore.master.election import Election, EtcdOptions, LeaderGate
+from kvstore.master.conductor_port import ConductorPort
 from kvstore.master.conductor_service import ConductorServicer, SchedulingOptions
 from kvstore.scheduler.cost_model import CostModel
 from kvstore.master.index import PrefixIndex
@@ -83,6 +84,7 @@ class MasterServer:
         dialing: Credentials | None = None,
         cost: CostModel | None = None,
         etcd: EtcdOptions | None = None,
+        conductor_port: int | None = 0,
     ):
         if not 0 < heartbeat_interval_s < ttl_s:
             raise ConfigError(f"need 0 < heartbeat_interval_s < ttl_s, got {heartbeat_interval_s} and {ttl_s}")
@@ -98,12 +100,20 @@ class MasterServer:
         self.replicator = Replicator(self._data_address, dialing)
         self.drainer = Drainer(self.membership, self.replicator)
         self.servicer = MasterServicer(
-            self.membership, self.placement, heartbeat_interval_s, self.quotas, drainer=self.drainer
+            self.membership,
+            self.placement,
+            heartbeat_interval_s,
+            self.quotas,
+            drainer=self.drainer,
+            conductor_address=lambda: self.conductor_address or "",
         )
         self.conductor = ConductorServicer(
             self.index, self.replicator, scheduling or SchedulingOptions(), self.servicer._count, cost=cost
         )
         self._max_workers = max_workers
+        self._conductor_port_number = conductor_port  # None: no conductor port
+        self._conductor_port: ConductorPort | None = None
+        self._advertise_host = etcd.advertise.rsplit(":", 1)[0] if etcd is not None and etcd.advertise else None
         self._sweep_s = max(0.01, min(heartbeat_interval_s, ttl_s / 4))
         self._server: grpc.Server | None = None
         self._metrics: MetricsServer | None = None
@@ -194,6 +204,16 @@ class MasterServer:
         self._stopping.clear()
         self._sweeper = threading.Thread(target=self._sweep, name="master-expiry", daemon=True)
         self._sweeper.start()
+        if self._conductor_port_number is not None:
+            self._conductor_port = ConductorPort.open(
+                self.conductor,
+                self.servicer._count,
+                self.host,
+                self._conductor_port_number,
+                access=self.access,
+                tls=self.tls.server_context() if self.tls is not None else None,
+                serving=self._serving,
+            )
         if self._metrics_port is not None:
             self._metrics = MetricsServer(self._metrics_port, self.collect_metrics, host=self.host, access=self.access)
 
@@ -203,6 +223,9 @@ class MasterServer:
         if self.election is not None:  # resign first: a standby takes over while this one drains
             self.election.stop()
             self.election = None
+        if self._conductor_port is not None:
+            self._conductor_port.stop()
+            self._conductor_port = None
         if self._server is not None:
             self._server.stop(grace).wait()
             self._server = None
@@ -238,6 +261,20 @@ class MasterServer:
     def address(self) -> str:
         """host:port clients dial (the bound port once started)."""
         return f"[{self.host}]:{self._port}" if ":" in self.host else f"{self.host}:{self._port}"
+
+    @property
+    def conductor_address(self) -> str | None:
+        """host:port of the conductor port as routers dial it (the advertised host under etcd), or
+        None when there is none."""
+        if self._conductor_port is None:
+            return None
+        host = self._advertise_host or self.host
+        port = self._conductor_port.port
+        return f"{host}:{port}" if host.startswith("[") or ":" not in host else f"[{host}]:{port}"
+
+    def _serving(self) -> bool:
+        """Whether this master answers now: always without etcd, else only while it leads."""
+        return self._etcd_options is None or (self.election is not None and self.election.is_leader())
 
     @property
     def metrics_address(self) -> str | None:

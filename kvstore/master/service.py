@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from typing import Callable
 
 import grpc
 
@@ -133,8 +134,10 @@ class MasterServicer(pb_grpc.MasterServicer):
         heartbeat_interval_s: float,
         quotas: Quotas | None = None,
         drainer: Drainer | None = None,
+        conductor_address: Callable[[], str] = lambda: "",
     ):
         self.membership = membership
+        self.conductor_address = conductor_address  # the master's conductor port, for ClusterStatus
         self.drainer = drainer  # serves Drain; without one Drain is refused (INVALID_ARGUMENT)
         self.quotas = quotas  # tenant quotas (kvstore.master.quotas), when the access file sets any
         self.index = membership.index
@@ -300,7 +303,10 @@ class MasterServicer(pb_grpc.MasterServicer):
         if principal.confined:
             indexed = sum(self.index.namespace_size(ns) for ns in self.index.namespaces() if principal.may_use(ns))
         return pb.ClusterStatusReply(
-            nodes=statuses, indexed_keys=indexed, replication_factor=self.placement.replication_factor
+            nodes=statuses,
+            indexed_keys=indexed,
+            replication_factor=self.placement.replication_factor,
+            conductor_address=self.conductor_address(),
         )
 
     @_rpc

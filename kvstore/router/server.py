@@ -59,6 +59,7 @@ from aiohttp import (
     web,
 )
 
+from kvstore.router.conductor_calls import ConductorCalls
 from kvstore_client.errors import KVStoreError, Overloaded
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,14 @@ class PoolBackend:
 
     def report(self, namespace: str, request_id: str, stage: str):
         return self._client.scheduling.report_request(namespace, request_id, stage)
+
+    def conductor_port(self):
+        """(address, token, TLS context) of the master's conductor port, or None when it has none."""
+        address = self._client.cluster_status().conductor_address
+        if not address:
+            return None
+        credentials = self._client.credentials
+        return address, credentials.token, credentials.client_tls()
 
     def indexed(self, keys) -> int:
         return self._client.match_prefix(keys).longest
@@ -276,6 +285,7 @@ class Router:
         self.connect_timeout, self.read_timeout, self.prefill_timeout = connect_timeout, read_timeout, prefill_timeout
         self.index_wait_s, self.records_ttl_s, self.retry_after_s = index_wait_s, records_ttl_s, retry_after_s
         self.metrics = Metrics()
+        self.conductor = ConductorCalls(backend)
         self._records: list[EngineRecord] = []
         self._records_at = -1e9
         self._session: ClientSession | None = None
@@ -289,6 +299,7 @@ class Router:
     async def stop(self, app=None) -> None:
         if self._session is not None:
             await self._session.close()
+        await self.conductor.close()
         await asyncio.to_thread(getattr(self.backend, "close", lambda: None))
 
     def timeout(self, total: float | None = None) -> ClientTimeout:
@@ -434,7 +445,7 @@ class Router:
 
     async def _report(self, namespace: str, request_id: str, stage: str):
         try:
-            return await asyncio.to_thread(self.backend.report, namespace, request_id, stage)
+            return await self.conductor.report(namespace, request_id, stage)
         except (KVStoreError, OSError) as exc:
             log.warning("router: report %s of %s failed: %s", stage, request_id, exc)
             return None
@@ -501,9 +512,7 @@ class Router:
         if arrived is not None:
             self.metrics.timed("accept", clock - arrived)
         try:
-            where = await asyncio.to_thread(
-                self.backend.schedule, keys, len(tokens), output_length, request_id, namespace
-            )
+            where = await self.conductor.schedule(keys, len(tokens), output_length, request_id, namespace)
         except Overloaded as exc:
             raise HTTPFailure(
                 429,
@@ -523,6 +532,7 @@ class Router:
             "x-kvstore-prefix-tokens": str(where.prefix_tokens),
         }
         finished = False
+        prefilled: asyncio.Task | None = None
         try:
             clock = self._lap("schedule", clock)
             prefill = by_id.get(where.prefill_engine) or await self._record(where.prefill_engine)
@@ -530,9 +540,12 @@ class Router:
             await self._prefill(prefill, body, path)  # started with Schedule: no prefill_started report
             clock = self._lap("prefill", clock)
             stored = keys + tail_keys(prefill, namespace, tokens, hashes)
-            reply, _ = await asyncio.gather(
-                self._report(namespace, request_id, "prefill_finished"), self._wait_indexed(stored)
-            )
+            prefilled = asyncio.ensure_future(self._report(namespace, request_id, "prefill_finished"))
+            if where.decode_final:  # the reply will name where.decode_engine: no need to wait for it
+                await self._wait_indexed(stored)
+                reply = None
+            else:
+                reply, _ = await asyncio.gather(prefilled, self._wait_indexed(stored))
             clock = self._lap("to_decode", clock)
             if reply is not None and reply.rejected:
                 finished = True  # the conductor ended it
@@ -546,10 +559,13 @@ class Router:
             headers["x-kvstore-decode-engine"] = decode_id
             decode = by_id.get(decode_id) or await self._record(decode_id)
             response = await self._decode(request, decode, body, path, headers, clock)
+            await prefilled  # the conductor hears of the prefill's end before the decode's
             finished = await self._report(namespace, request_id, "decode_finished") is not None
             self.metrics.count("ok")
             return response
         finally:
+            if prefilled is not None and not prefilled.done():
+                await asyncio.wait([prefilled])
             if not finished:
                 await self._report(namespace, request_id, "cancelled")
 

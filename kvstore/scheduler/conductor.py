@@ -84,6 +84,9 @@ class Decision:
     est_prefill_s: float
     est_ttft_s: float
     est_tbt_s: float
+    # prefill_finished will hand the request to ``decode`` (unless that instance leaves) and
+    # cannot reject it: the admission rejects at arrival, if at all
+    decode_final: bool = False
 
     @property
     def service_s(self) -> float:
@@ -337,6 +340,7 @@ class Conductor:
             est_prefill_s=placement.prefill_s,
             est_ttft_s=placement.ttft_s,
             est_tbt_s=pick.tbt_s,
+            decode_final=pick.instance is not None and not self.admission.reject_at_decode,
         )
 
     # -- lifecycle reports --------------------------------------------------------------------

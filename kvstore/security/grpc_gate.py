@@ -11,6 +11,7 @@ Without an access file there is no gate and ``caller()`` is ANYONE.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import grpc
@@ -44,6 +45,17 @@ _CALLER: contextvars.ContextVar[Principal] = contextvars.ContextVar("kvstore_cal
 def caller() -> Principal:
     """The principal of the RPC this thread serves (ANYONE when no access file is in force)."""
     return _CALLER.get()
+
+
+@contextlib.contextmanager
+def serving_as(principal: Principal):
+    """Run the enclosed call as ``principal`` (what ``caller()`` returns): for a transport other
+    than gRPC that authenticated its caller itself (the master's conductor port)."""
+    token = _CALLER.set(principal)
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
 
 
 def require_namespace(namespace: str) -> None:
@@ -97,11 +109,8 @@ def _as(handler, principal: Principal):
     behavior = handler.unary_unary
 
     def with_caller(request, context):
-        token = _CALLER.set(principal)
-        try:
+        with serving_as(principal):
             return behavior(request, context)
-        finally:
-            _CALLER.reset(token)
 
     return handler._replace(unary_unary=with_caller)
 

@@ -1,0 +1,274 @@
+"""The master's conductor port: a router's per-request conductor calls over framed TCP.
+
+A router calls ``Schedule`` before each request's prefill, on its time to first token; a gRPC
+call from Python costs one to two milliseconds of thread hand-offs on each side, a framed
+request on a plain socket a fraction of that. So the master serves the two per-request calls,
+``Schedule`` and ``ReportRequest``, on this port too: same protobuf bodies, same conductor, same
+checks (spec and the reasons: ``proto/conductor.md``; the codec: ``kvstore_client.conductor_wire``).
+
+One accepting thread and one thread per connection, on blocking sockets; a connection's frames
+are answered in order. What a caller may hold is bounded: ``max_connections`` at once (one more
+gets BUSY and is closed), ``idle_timeout`` seconds of silence (``auth_timeout`` before the first
+frame, under an access file) and ``MAX_BODY_BYTES`` a frame, checked from the header before
+anything is read. A frame that breaks the format gets BAD_FRAME and the connection is closed;
+a body that does not parse is INVALID and the connection goes on.
+
+Security is the gRPC gate's: with an access file a connection's first frame must be AUTH with a
+token of that file (else UNAUTHENTICATED, and closed), each call needs a role its gRPC method
+admits (``security.grpc_gate.METHOD_ROLES``), and runs as the token's principal, so the
+conductor checks its namespace as on gRPC. Under TLS the port is TLS with the master's
+certificate. A master on etcd answers UNAVAILABLE while it is not the leader.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+from typing import Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvstore.master.conductor_service import ConductorServicer, ScheduleRejected
+from kvstore.master.service import status_for
+from kvstore.security.access import ANYONE, AccessList, Principal
+from kvstore.security.grpc_gate import METHOD_ROLES, serving_as
+from kvstore.transport.limits import AUTH_TIMEOUT, set_idle_timeout
+from kvstore_client.conductor_wire import (
+    BODIES,
+    GRPC_NAMES,
+    HEADER_SIZE,
+    MAX_TOKEN_BYTES,
+    Method,
+    Status,
+    pack_header,
+    unpack_header,
+)
+from kvstore_client.errors import (
+    ConfigError,
+    KVStoreError,
+    PermissionDenied,
+    ProtocolError,
+    Unauthenticated,
+    UnknownNamespace,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_IDLE_TIMEOUT_S = 300.0
+
+
+class _Closing(Exception):
+    """End the connection after the reply just sent."""
+
+
+def status_of(error: KVStoreError) -> Status:
+    """The port's status for an error the conductor raised (a rejection has its own, REJECTED)."""
+    if isinstance(error, Unauthenticated):
+        return Status.UNAUTHENTICATED
+    if isinstance(error, PermissionDenied):
+        return Status.PERMISSION_DENIED
+    if isinstance(error, (ValueError, UnknownNamespace)):
+        return Status.INVALID
+    return Status.INTERNAL
+
+
+class ConductorPort:
+    """Serves ``servicer.schedule`` and ``servicer.report_request`` on ``host:port`` (0: any free
+    port). ``count(name, grpc_code)``: the master's RPC counter (calls here count under the gRPC
+    method's name). ``serving()``: whether this master may answer now (the leader)."""
+
+    def __init__(
+        self,
+        servicer: ConductorServicer,
+        count: Callable,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        access: AccessList | None = None,
+        tls: ssl.SSLContext | None = None,
+        serving: Callable[[], bool] = lambda: True,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+        auth_timeout: float = AUTH_TIMEOUT,
+    ):
+        self._servicer, self._count = servicer, count
+        self._access, self._tls, self._serving = access, tls, serving
+        self._max_connections, self._idle_timeout, self._auth_timeout = max_connections, idle_timeout, auth_timeout
+        self._handlers = {Method.SCHEDULE: servicer.schedule, Method.REPORT_REQUEST: servicer.report_request}
+        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._host, self._port = host, self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="conductor-port", daemon=True)
+
+    @classmethod
+    def open(cls, servicer: ConductorServicer, count: Callable, host: str, port: int, **kwargs) -> "ConductorPort":
+        """Bind and start serving; ConfigError when the port cannot be had."""
+        try:
+            served = cls(servicer, count, host, port, **kwargs)
+        except OSError as exc:
+            raise ConfigError(f"the conductor port cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        served._thread.start()
+        return served
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
+
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    # -- connections ------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return  # closed by stop()
+            with self._lock:
+                full = len(self._conns) >= self._max_connections
+                if not full:
+                    self._conns.add(sock)
+            if full:
+                threading.Thread(target=self._refuse, args=(sock,), daemon=True).start()
+                continue
+            threading.Thread(target=self._serve, args=(sock, peer), name="conductor-conn", daemon=True).start()
+
+    def _refuse(self, sock: socket.socket) -> None:
+        try:
+            set_idle_timeout(sock, 1.0)
+            conn = self._tls.wrap_socket(sock, server_side=True) if self._tls is not None else sock
+            message = f"the conductor port serves {self._max_connections} connections at once".encode()
+            conn.sendall(pack_header(Status.BUSY, 0, len(message)) + message)
+        except (OSError, ssl.SSLError):
+            pass
+        finally:
+            sock.close()
+
+    def _serve(self, sock: socket.socket, peer) -> None:
+        conn = sock
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_idle_timeout(sock, self._auth_timeout if self._access is not None else self._idle_timeout)
+            if self._tls is not None:
+                conn = self._tls.wrap_socket(sock, server_side=True)
+            principal = ANYONE if self._access is None else None
+            while True:
+                principal = self._one_frame(conn, principal)
+        except (_Closing, EOFError, OSError, ssl.SSLError):
+            pass
+        except Exception:  # a bug: this connection ends, the others go on
+            log.exception("conductor port: connection from %s failed", peer)
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _one_frame(self, conn, principal: Principal | None) -> Principal | None:
+        """Read, run and answer one frame; the connection's principal from then on."""
+        header = _recv_exactly(conn, HEADER_SIZE)
+        try:
+            code, request_id, body_len = unpack_header(header)
+        except ProtocolError as exc:
+            _reply(conn, Status.BAD_FRAME, 0, str(exc).encode())
+            raise _Closing from None
+        if code == Method.AUTH:
+            return self._auth(conn, request_id, body_len, principal)
+        if code not in self._handlers:
+            _reply(conn, Status.BAD_FRAME, request_id, f"unknown conductor method {code}".encode())
+            raise _Closing
+        body = _recv_exactly(conn, body_len)
+        if principal is None:
+            _reply(conn, Status.UNAUTHENTICATED, request_id, b"a valid token is required: send AUTH first")
+            raise _Closing
+        status, reply = self._call(Method(code), body, principal)
+        _reply(conn, status, request_id, reply)
+        return principal
+
+    def _auth(self, conn, request_id: int, body_len: int, principal: Principal | None) -> Principal:
+        if body_len > MAX_TOKEN_BYTES:
+            _reply(conn, Status.BAD_FRAME, request_id, f"an AUTH body holds at most {MAX_TOKEN_BYTES} bytes".encode())
+            raise _Closing
+        token = _recv_exactly(conn, body_len).decode("utf-8", "replace")
+        if self._access is None:  # no tokens checked here: say so
+            _reply(conn, Status.OK, request_id, b"")
+            return ANYONE
+        found = self._access.bearer(token)
+        if found is None or principal is not None:
+            message = b"token refused" if found is None else b"AUTH again on an authenticated connection"
+            _reply(conn, Status.UNAUTHENTICATED if found is None else Status.BAD_FRAME, request_id, message)
+            raise _Closing
+        set_idle_timeout(conn, self._idle_timeout)
+        _reply(conn, Status.OK, request_id, found.name.encode())
+        return found
+
+    def _call(self, method: Method, body: bytes, principal: Principal) -> tuple[Status, bytes]:
+        grpc_name = GRPC_NAMES[method]
+        name = grpc_name.split("/", 1)[1]
+        if principal.role not in METHOD_ROLES.get(grpc_name, frozenset()):
+            return (
+                Status.PERMISSION_DENIED,
+                f"{name}: token {principal.name!r} ({principal.role}) may not call it".encode(),
+            )
+        if not self._serving():
+            return Status.UNAVAILABLE, f"{name}: this master is not the leader".encode()
+        try:
+            request = BODIES[method][0].FromString(body)
+        except DecodeError:
+            return Status.INVALID, f"{name}: the body is not a {BODIES[method][0].__name__}".encode()
+        try:
+            with serving_as(principal):
+                reply = self._handlers[method](request)
+        except ScheduleRejected as rejected:
+            self._count(name, status_for(rejected))
+            return Status.REJECTED, rejected.reply.SerializeToString()
+        except KVStoreError as exc:
+            self._count(name, status_for(exc))
+            return status_of(exc), f"{name}: {exc}".encode()
+        except Exception as exc:  # a bug: say so, do not leak a traceback to the caller
+            log.exception("conductor port: %s failed", name)
+            self._count(name, status_for(exc))
+            return Status.INTERNAL, f"{name}: internal error: {type(exc).__name__}".encode()
+        self._count(name, grpc.StatusCode.OK)
+        return Status.OK, reply.SerializeToString()
+
+
+def _recv_exactly(conn, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        read = conn.recv_into(view[got:], n - got)
+        if not read:
+            raise EOFError
+        got += read
+    return bytes(buf)
+
+
+def _reply(conn, status: Status, request_id: int, body: bytes) -> None:
+    conn.sendall(pack_header(status, request_id, len(body)) + body)
