@@ -103,6 +103,10 @@ class ConductorLink:
             Method.REPORT_REQUEST, pb.RequestEvent(namespace=namespace, request_id=request_id, stage=STAGES[stage])
         )
 
+    async def connect(self) -> None:
+        """Open the connection now (and prove the token), not on the first call."""
+        await self._connected()
+
     async def call(self, method: Method, message):
         """Send one request and wait for its reply (the method's reply message)."""
         writer = await self._connected()

@@ -129,10 +129,11 @@ class ConductorPort:
 
     def stop(self) -> None:
         self._stopping.set()
-        try:
-            self._listener.close()
+        try:  # shutdown wakes the accepting thread; a close alone leaves it listening
+            self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self._listener.close()
         with self._lock:
             conns, self._conns = list(self._conns), set()
         for conn in conns:
@@ -148,6 +149,9 @@ class ConductorPort:
                 sock, peer = self._listener.accept()
             except OSError:
                 return  # closed by stop()
+            if self._stopping.is_set():
+                sock.close()
+                return
             with self._lock:
                 full = len(self._conns) >= self._max_connections
                 if not full:

@@ -37,6 +37,16 @@ class ConductorCalls:
         """The conductor port the calls go to now (None: gRPC)."""
         return self._link.address if self._link is not None else None
 
+    async def prepare(self) -> None:
+        """Find the conductor port and connect, so that the first request does not wait for it
+        (best effort: the calls fall back to gRPC anyway)."""
+        link = await self._current_link()
+        if link is not None:
+            try:
+                await link.connect()
+            except KVStoreError as exc:
+                self._lost(link, exc)
+
     async def schedule(self, keys, input_length: int, output_length: int, request_id: str, namespace: str):
         """The conductor's placement; the prefill goes out at once, so it counts as started."""
         link = await self._current_link()

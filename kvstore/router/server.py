@@ -295,6 +295,7 @@ class Router:
         self._session = ClientSession(
             connector=TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S), auto_decompress=False
         )
+        await self.conductor.prepare()
 
     async def stop(self, app=None) -> None:
         if self._session is not None:
