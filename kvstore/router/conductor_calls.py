@@ -6,7 +6,8 @@ pool client's gRPC, run in a thread, one to three. The port's address comes from
 ClusterStatus; a master without one (``--conductor-port -1``), a link that cannot be had or
 that a standby refuses (UNAVAILABLE) sends the call over gRPC, which follows the leader, and the
 address is asked again at most once every ``RESOLVE_EVERY_S``. A call that broke after it was
-sent is not made again (the conductor may have acted on it): it fails with ServiceUnavailable.
+sent is not made again (the conductor may have acted on it): it fails with ServiceUnavailable,
+and a Schedule is reported cancelled over gRPC, so the conductor does not hold it.
 """
 
 from __future__ import annotations
@@ -57,11 +58,18 @@ class ConductorCalls:
                 )
             except LinkDown as exc:
                 self._lost(link, exc)
-                if exc.sent:
+                if exc.sent:  # it may have been placed: take it back, the request fails
+                    await self._cancel_over_grpc(namespace, request_id)
                     raise ServiceUnavailable(f"the conductor port broke during Schedule: {exc}") from None
             except ServiceUnavailable as exc:  # a standby: nothing was done
                 self._lost(link, exc)
         return await asyncio.to_thread(self._backend.schedule, keys, input_length, output_length, request_id, namespace)
+
+    async def _cancel_over_grpc(self, namespace: str, request_id: str) -> None:
+        try:
+            await asyncio.to_thread(self._backend.report, namespace, request_id, "cancelled")
+        except (KVStoreError, OSError) as exc:
+            log.warning("router: could not cancel %s after the conductor port broke: %s", request_id, exc)
 
     async def report(self, namespace: str, request_id: str, stage: str):
         link = await self._current_link()
