@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 from aiohttp import web
 
@@ -37,11 +38,13 @@ class Served:
         self._thread.join(10)
 
 
-def fake_engine() -> tuple[web.Application, list]:
+def fake_engine(arrivals: list | None = None) -> tuple[web.Application, list]:
     """An OpenAI server: ``/tokenize`` maps words ``w<N>`` to N; completions answer ``w1 w2 ...``
     (streamed as SSE when asked). A prompt ``[666, ...]`` streams one chunk and drops the connection;
-    ``[777, ...]`` answers nothing for 4 s. Every body it is sent lands in the list."""
+    ``[777, ...]`` answers nothing for 4 s. Every body it is sent lands in the list (and in
+    ``arrivals``, when given: (path, stream, monotonic time))."""
     seen: list = []
+    arrivals = [] if arrivals is None else arrivals
 
     async def tokenize(request):
         body = await request.json()
@@ -52,6 +55,7 @@ def fake_engine() -> tuple[web.Application, list]:
     async def generate(request):
         body = await request.json()
         seen.append((request.path, body))
+        arrivals.append((request.path, body.get("stream", False), time.monotonic()))
         prompt = body.get("prompt") or [0]
         if body.get("max_tokens", 16) > 100:
             return web.json_response({"error": {"message": "too many", "code": 400}}, status=400)
@@ -100,6 +104,9 @@ class FakeBackend:
         self.deregistered: list = []
         self.index_queries: list = []
         self.index_lag = 0
+        self.decode_final = False  # what Schedule says of its decode engine
+        self.report_delay = 0.0  # seconds a prefill_finished report takes
+        self.report_times: list = []  # (stage, monotonic time its report returned)
 
     def engines(self):
         return self.records
@@ -108,10 +115,15 @@ class FakeBackend:
         if self.overloaded:
             raise Overloaded("ttft_slo: estimated TTFT 9s > SLO 1s", self.overloaded)
         self.scheduled.append((keys, input_length, output_length, namespace))
-        return EngineAssignment(request_id, "P", "node-1", "D", len(keys), len(keys) * 4, "", 0, 0.1, 0.01)
+        return EngineAssignment(
+            request_id, "P", "node-1", "D", len(keys), len(keys) * 4, "", 0, 0.1, 0.01, self.decode_final
+        )
 
     def report(self, namespace, request_id, stage):
+        if stage == "prefill_finished":
+            time.sleep(self.report_delay)
         self.reports.append(stage)
+        self.report_times.append((stage, time.monotonic()))
         return pb.RequestEventReply(decode_engine="D" if stage == "prefill_finished" else "")
 
     def indexed(self, keys):

@@ -93,6 +93,31 @@ def test_prefill_gets_one_token_then_decode_gets_the_request_unchanged(stack):
     assert backend.reports == ["prefill_finished", "decode_finished"]  # prefill_started: with Schedule
 
 
+def test_a_final_decode_engine_is_called_without_waiting_for_the_prefill_finished_reply():
+    arrivals: list = []
+    engine_app, _ = fake_engine(arrivals)
+    engine = Served(engine_app)
+    backend = FakeBackend(engine.url)
+    router = Served(build_app(Router(backend, read_timeout=5.0, index_wait_s=0.1)))
+    try:
+        backend.report_delay = 0.5
+        body = {"model": "tiny", "prompt": list(range(1, 11)), "max_tokens": 2, "stream": True}
+        for final in (True, False):
+            backend.decode_final = final
+            arrivals.clear()
+            backend.report_times.clear()
+            status, _, _ = post(f"{router.url}/v1/completions", body)
+            assert status == 200
+            decode_at = next(t for path, stream, t in arrivals if stream)
+            wait_for(lambda: len(backend.report_times) == 2, 10)  # reported after the answer ends
+            reported_at = dict(backend.report_times)
+            assert (decode_at < reported_at["prefill_finished"]) is final
+            assert reported_at["prefill_finished"] < reported_at["decode_finished"]  # the conductor's order kept
+    finally:
+        router.close()
+        engine.close()
+
+
 def test_the_router_waits_for_the_prompts_partial_last_block_too(stack):
     from dataclasses import replace
 
