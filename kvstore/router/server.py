@@ -11,8 +11,9 @@ Per ``/v1/completions`` or ``/v1/chat/completions`` request:
    no prefill_started report follows): a rejection is HTTP 429 with ``Retry-After``;
 4. send the request to the chosen prefill engine with ``max_tokens`` 1, not streamed: its
    connector stores the prompt's KV in the pool; ``report_request`` prefill_finished (which
-   names the decode engine, or rejects: 429 again), while waiting (at most ``index_wait_s``)
-   until the master's index holds the prompt's blocks (its partial last block too, under
+   names the decode engine, or rejects: 429 again; its reply is not waited for when Schedule
+   said the decode engine is final, as under every admission but ``none``), while waiting
+   (at most ``index_wait_s``) until the master's index holds the prompt's blocks (its partial last block too, under
    ``vllm_hashing.tail_hash``, when the prefill engine stores those), so the decode engine's
    lookup finds what was just stored;
 5. send the request as it came to the decode engine, which loads the prefix from the pool and
@@ -33,8 +34,10 @@ The response carries ``x-kvstore-request-id``, ``x-kvstore-prefill-engine``,
 ``x-kvstore-decode-engine``, ``x-kvstore-prefix-blocks`` and ``x-kvstore-prefix-tokens`` (the
 conductor's reply: how much of the prompt the pool already held).
 
-The pool calls are the synchronous SDK, run in threads (``asyncio.to_thread``); the HTTP side
-is aiohttp (server and client in one package, with streaming both ways).
+The conductor calls go to the master's conductor port from the event loop, or over gRPC
+(``conductor_calls.ConductorCalls``); the other pool calls are the synchronous SDK, run in
+threads (``asyncio.to_thread``). The HTTP side is aiohttp (server and client in one package,
+with streaming both ways).
 """
 
 from __future__ import annotations
