@@ -27,10 +27,10 @@ from kvstore_client.conductor_wire import (
     pack_header,
     unpack_header,
 )
-from kvstore_client.errors import KVStoreError, ProtocolError, ServiceUnavailable
+from kvstore_client.errors import ProtocolError, ServiceUnavailable
 from kvstore_client.keys import BlockKey
 from kvstore_client.proto import kvstore_pb2 as pb
-from kvstore_client.scheduling import STAGES, EngineAssignment, assignment_of
+from kvstore_client.scheduling import STAGES, EngineAssignment, assignment_of, schedule_request
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -83,18 +83,7 @@ class ConductorLink:
         start_prefill: bool = False,
     ) -> EngineAssignment:
         """As ``SchedulingCalls.schedule``."""
-        if namespace is None:
-            if not keys:
-                raise ValueError("schedule needs block keys or a namespace")
-            namespace = keys[0][0]
-        request = pb.ScheduleRequest(
-            namespace=namespace,
-            request_id=request_id,
-            digests=[k[1] for k in keys],
-            input_length=input_length,
-            output_length=output_length,
-            start_prefill=start_prefill,
-        )
+        request = schedule_request(keys, input_length, output_length, request_id, namespace, start_prefill)
         return assignment_of(await self.call(Method.SCHEDULE, request))
 
     async def report_request(self, namespace: str, request_id: str, stage: str) -> pb.RequestEventReply:
@@ -171,7 +160,7 @@ class ConductorLink:
             self._pending.pop(request_id, None)
 
     async def _read_replies(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        reason: KVStoreError = LinkDown(f"conductor port {self.address} closed the connection", sent=True)
+        reason = LinkDown(f"conductor port {self.address} closed the connection", sent=True)
         try:
             while True:
                 status, request_id, body_len = unpack_header(await reader.readexactly(HEADER_SIZE))

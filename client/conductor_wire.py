@@ -12,6 +12,8 @@ from __future__ import annotations
 import struct
 from enum import IntEnum
 
+from google.protobuf.message import Message
+
 from kvstore_client.errors import (
     InvalidValue,
     KVStoreError,
@@ -50,7 +52,7 @@ class Status(IntEnum):
 
 
 #: what each method's request and reply body decode as
-BODIES = {
+BODIES: dict[Method, tuple[type[Message], type[Message]]] = {
     Method.SCHEDULE: (pb.ScheduleRequest, pb.ScheduleReply),
     Method.REPORT_REQUEST: (pb.RequestEvent, pb.RequestEventReply),
 }

@@ -47,6 +47,30 @@ class EngineAssignment:
     decode_final: bool = False  # prefill_finished will name decode_engine and cannot reject
 
 
+def schedule_request(
+    keys: list[BlockKey],
+    input_length: int,
+    output_length: int = 0,
+    request_id: str = "",
+    namespace: str | None = None,
+    start_prefill: bool = False,
+) -> pb.ScheduleRequest:
+    """The Schedule request of ``SchedulingCalls.schedule``'s arguments (the namespace: the keys'
+    when not given)."""
+    if namespace is None:
+        if not keys:
+            raise ValueError("schedule needs block keys or a namespace")
+        namespace = keys[0][0]
+    return pb.ScheduleRequest(
+        namespace=namespace,
+        request_id=request_id,
+        digests=[k[1] for k in keys],
+        input_length=input_length,
+        output_length=output_length,
+        start_prefill=start_prefill,
+    )
+
+
 def assignment_of(reply: pb.ScheduleReply) -> EngineAssignment:
     return EngineAssignment(**{f: getattr(reply, f) for f in EngineAssignment.__dataclass_fields__})
 
@@ -106,22 +130,8 @@ class SchedulingCalls:
     ) -> EngineAssignment:
         """Place one request. ``start_prefill``: the caller sends it to the prefill engine at once,
         so the conductor counts it as started there (no ``prefill_started`` report follows)."""
-        if namespace is None:
-            if not keys:
-                raise ValueError("schedule needs block keys or a namespace")
-            namespace = keys[0][0]
-        reply = self._call(
-            self._schedule,
-            pb.ScheduleRequest(
-                namespace=namespace,
-                request_id=request_id,
-                digests=[k[1] for k in keys],
-                input_length=input_length,
-                output_length=output_length,
-                start_prefill=start_prefill,
-            ),
-        )
-        return assignment_of(reply)
+        request = schedule_request(keys, input_length, output_length, request_id, namespace, start_prefill)
+        return assignment_of(self._call(self._schedule, request))
 
     def _schedule(self, request: pb.ScheduleRequest, **kwargs) -> pb.ScheduleReply:
         """The Schedule call; a rejection raises Overloaded with the reply's ``reason`` field."""
