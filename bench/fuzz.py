@@ -1,4 +1,4 @@
-"""Structure-aware fuzzing of a live node's data plane and the master's gRPC services.
+"""Structure-aware fuzzing of a live node's data plane, the master's gRPC services and its conductor port.
 
     python -m bench.fuzz [--frames N] [--seconds S] [--seed K] [--senders P] [--grpc-in-flight G] [--json]
 
@@ -21,6 +21,19 @@ access file: ``--auth``), then, until ``--frames`` frames were sent or ``--secon
   with random messages of its input type, mutated serializations of them and raw garbage, as
   raw bytes through a generic channel call (``--grpc-in-flight`` at a time, default 8; on a
   small machine the master's gRPC stack takes the CPU the data plane's frames would get).
+- one process fuzzes the master's conductor port (framed TCP, ``proto/conductor.md``; its
+  address from the master's start line). It registers a prefill and a decode engine over
+  gRPC so that some Schedules are placed, then opens connections of pipelined frames with
+  valid headers (Schedule and ReportRequest bodies: plausible, random, mutated, garbage,
+  empty; AUTH with random tokens), now and then a long burst, most ending in a hostile frame
+  (bad magic or version, an unknown method, a size over ``MAX_BODY_BYTES``, an AUTH over
+  4096 bytes, a frame cut short, garbage, a flipped bit). Each reply must be a well-formed
+  frame answering its request in order (its request_id, a body that decodes), nothing may
+  follow BAD_FRAME / UNAUTHENTICATED / BUSY, and a header the port must refuse gets
+  BAD_FRAME; anything else is a malformed reply. Some connections are closed right after
+  sending, a few are left open mid-frame, and once the port is filled past its connection
+  limit (the extra ones must get BUSY). At the end a fresh connection's AUTH and Schedule
+  must still be answered (the probe).
 - a well-behaved client (the SDK's TcpConnection/UnixConnection, one of each per node kind)
   keeps putting random values and reading them back on its own connections, and reads the
   master's ClusterStatus; any error or wrong value is a failure.
@@ -28,9 +41,11 @@ access file: ``--auth``), then, until ``--frames`` frames were sent or ``--secon
 The master and nodes' RSS (and its anonymous / file / shared split), open fds and threads
 are sampled every second. Reported: frames sent and frames/s, replies, ops covered,
 connection resets, stalled connections, gRPC calls and their status codes per method, the
-good client's operations and failures, crashes (a process that died), tracebacks in the
+good client's operations and failures, the conductor port's frames, connections and reply
+statuses (all, and per method), crashes (a process that died), tracebacks in the
 processes' stderr, and RSS/fds at start, peak and end. ``ok`` is true when nothing crashed,
-no traceback was logged, the good client never failed, no connection stalled, anonymous RSS
+no traceback was logged, the good client never failed, no connection stalled (data plane or
+conductor port), the conductor port sent no malformed reply and passed its probe, anonymous RSS
 grew by less than ``RSS_BOUND`` per process and the fds came back to within ``FD_BOUND`` of
 where they started. Exit status 1 when not ok.
 
@@ -685,6 +700,429 @@ def grpc_fuzzer(master: str, seed: int, deadline: float, stop, out, in_flight: i
         out.put({"grpc": {path: dict(c) for path, c in codes.items()}, "grpc_kinds": dict(kinds)})
 
 
+# -- the conductor port ----------------------------------------------------------------------
+CONDUCTOR_NAMESPACE = "fuzz-conductor"  # where the conductor fuzzer registers engines, so some Schedules are placed
+CONDUCTOR_HELD = 8  # connections left open mid-frame at a time
+CONDUCTOR_BUSY_BURST = 8  # connections over the port's limit opened once, each expecting BUSY
+# hostile last frames the master must answer BAD_FRAME (when it did not reset the connection)
+_STRICT_HOSTILE = ("magic", "version", "unknown_method", "body_len_over", "auth_oversize")
+_LOOSE_HOSTILE = ("cut_header", "cut_body", "garbage", "bitflip")
+
+
+def _cwire():
+    from kvstore_client import conductor_wire
+
+    return conductor_wire
+
+
+class ConductorFrames:
+    """Frames for the conductor port: valid headers with plausible, random (``random_message``),
+    mutated (``_mutate``), garbage or empty bodies of ScheduleRequest / RequestEvent, AUTH with
+    random tokens, and a hostile last frame (bad magic / version / method, a size over the
+    bound, an oversized AUTH, a frame cut short, garbage, a flipped bit)."""
+
+    def __init__(self, rng: random.Random):
+        cw = self.cw = _cwire()
+        self.rng = rng
+        self.requests = [f"cf-{i}" for i in range(64)]  # request ids that Schedule and ReportRequest share
+        self.unknown_methods = [code for code in range(256) if code not in set(cw.Method)]
+        self.bodies = collections.Counter()  # body kind -> frames
+        self.hostile_kinds = collections.Counter()
+
+    def request_id(self) -> int:
+        r = self.rng.random()
+        return self.rng.getrandbits(32) if r < 0.95 else self.rng.choice((0, 1, 2**32 - 1))
+
+    def plausible(self, method) -> bytes:
+        from kvstore_client.proto import kvstore_pb2 as pb
+
+        rng, cw = self.rng, self.cw
+        if method == cw.Method.SCHEDULE:
+            n = rng.choice((0, 1, 4, 16, 64))
+            return pb.ScheduleRequest(
+                namespace=CONDUCTOR_NAMESPACE,
+                request_id=rng.choice(self.requests + [""]),
+                digests=[rng.randrange(256).to_bytes(16, "little") for _ in range(n)],
+                input_length=n * 16 + rng.randrange(16),
+                output_length=rng.choice((0, 1, 128, 4096)),
+                start_prefill=rng.random() < 0.5,
+            ).SerializeToString()
+        return pb.RequestEvent(
+            namespace=CONDUCTOR_NAMESPACE, request_id=rng.choice(self.requests), stage=rng.randrange(5)
+        ).SerializeToString()
+
+    def body(self, method, small: bool = False) -> bytes:
+        """A body for ``method``; ``small``: a plausible one (for the long pipelined bursts)."""
+        rng, cw = self.rng, self.cw
+        if method == cw.Method.AUTH:
+            self.bodies["auth"] += 1
+            return rng.randbytes(rng.choice((0, 1, 16, 32, 200, cw.MAX_TOKEN_BYTES) if not small else (0, 32)))
+        descriptor = cw.BODIES[method][0].DESCRIPTOR
+        r = 0.0 if small else rng.random()
+        if r < 0.3:
+            kind, body = "plausible", self.plausible(method)
+        elif r < 0.65:
+            msg = random_message(descriptor, rng)
+            if rng.random() < 0.4:  # past the namespace check, into the conductor
+                msg.namespace = CONDUCTOR_NAMESPACE
+            kind, body = "random", msg.SerializeToString()
+        elif r < 0.85:
+            kind, body = "mutated", _mutate(random_message(descriptor, rng).SerializeToString(), rng)
+        elif r < 0.95:
+            kind, body = "garbage", rng.randbytes(rng.choice((1, 5, 64, 1000, 100000)))
+        else:
+            kind, body = "empty", b""
+        self.bodies[kind] += 1
+        return body
+
+    def frame(self, small: bool = False) -> tuple[bytes, int, int]:
+        """A frame with a valid header: (bytes, method, request_id)."""
+        cw, rng = self.cw, self.rng
+        method = rng.choice((cw.Method.SCHEDULE, cw.Method.SCHEDULE, cw.Method.REPORT_REQUEST, cw.Method.AUTH))
+        body, rid = self.body(method, small), self.request_id()
+        return cw.pack_header(method, rid, len(body)) + body, method, rid
+
+    def hostile(self) -> tuple[bytes, str]:
+        cw, rng = self.cw, self.rng
+        kind = rng.choice(_STRICT_HOSTILE + _LOOSE_HOSTILE)
+        rid = self.request_id()
+        method = rng.choice(list(cw.Method))
+        if kind == "magic":
+            head = cw.HEADER.pack(rng.choice((b"KV", b"CK", b"\0\0", rng.randbytes(2))), cw.VERSION, method, rid, 0)
+        elif kind == "version":
+            head = cw.HEADER.pack(cw.MAGIC, rng.choice((0, 2, 255)), method, rid, 0)
+        elif kind == "unknown_method":
+            head = cw.pack_header(rng.choice(self.unknown_methods), rid, rng.choice((0, 8, 4096)))
+        elif kind == "body_len_over":
+            head = cw.pack_header(method, rid, rng.choice((cw.MAX_BODY_BYTES + 1, 2**31, 2**32 - 1)))
+        elif kind == "auth_oversize":
+            head = cw.pack_header(cw.Method.AUTH, rid, rng.choice((cw.MAX_TOKEN_BYTES + 1, 65536, cw.MAX_BODY_BYTES)))
+        elif kind == "cut_header":
+            head = self.frame()[0][: rng.randrange(1, cw.HEADER_SIZE)]
+        elif kind == "cut_body":
+            frame = self.frame()[0]
+            while len(frame) <= cw.HEADER_SIZE:
+                frame = self.frame()[0]
+            head = frame[: rng.randrange(cw.HEADER_SIZE, len(frame))]
+        elif kind == "garbage":
+            head = rng.randbytes(rng.choice((1, 11, 12, 13, 100, 4096)))
+        else:  # bitflip
+            frame = bytearray(self.frame()[0])
+            i = rng.randrange(min(len(frame), cw.HEADER_SIZE + 16))
+            frame[i] ^= 1 << rng.randrange(8)
+            head = bytes(frame)
+        self.hostile_kinds[kind] += 1
+        return head, kind
+
+
+def _parse_conductor_replies(data: bytes, reset: bool) -> tuple[list[tuple[int, int, bytes]], list[str]]:
+    """The replies in ``data`` as (status, request_id, body), and what is wrong with the stream (a
+    header that is not one, an unknown status, a size over the bound, bytes after the last frame;
+    a frame cut short only when the connection was not reset)."""
+    cw = _cwire()
+    replies, problems, pos, end = [], [], 0, len(data)
+    while pos < end:
+        if end - pos < cw.HEADER_SIZE:
+            if not reset:
+                problems.append(f"{end - pos} bytes after the last reply: not a header")
+            break
+        magic, version, status, rid, body_len = cw.HEADER.unpack_from(data, pos)
+        if magic != cw.MAGIC or version != cw.VERSION:
+            problems.append(f"a reply header with magic {magic!r}, version {version}")
+            break
+        if status not in set(cw.Status):
+            problems.append(f"a reply with unknown status {status}")
+            break
+        if body_len > cw.MAX_BODY_BYTES:
+            problems.append(f"a reply body of {body_len} bytes")
+            break
+        if pos + cw.HEADER_SIZE + body_len > end:
+            if not reset:
+                problems.append(f"a reply cut short ({end - pos - cw.HEADER_SIZE} of {body_len} body bytes)")
+            break
+        replies.append((status, rid, data[pos + cw.HEADER_SIZE : pos + cw.HEADER_SIZE + body_len]))
+        pos += cw.HEADER_SIZE + body_len
+    return replies, problems
+
+
+def _reply_body_problem(method: int, status: int, body: bytes) -> str | None:
+    """What is wrong with a reply's body for its method and status (None: nothing)."""
+    from google.protobuf.message import DecodeError
+
+    cw = _cwire()
+    try:
+        if status == cw.Status.OK and method in cw.BODIES:
+            cw.BODIES[method][1].FromString(body)
+        elif status == cw.Status.REJECTED:
+            if method != cw.Method.SCHEDULE:
+                return f"REJECTED answers {cw.Method(method).name}"
+            from kvstore_client.proto import kvstore_pb2 as pb
+
+            if not pb.ScheduleReply.FromString(body).reason:
+                return "a REJECTED ScheduleReply without a reason"
+        else:
+            body.decode("utf-8")
+    except (DecodeError, UnicodeDecodeError) as exc:
+        return f"{cw.Status(status).name} body for {cw.Method(method).name}: {type(exc).__name__}"
+    return None
+
+
+def _check_conductor_replies(
+    data: bytes, expected: list, hostile: str | None, reset: bool, stalled: bool, tally, by_method=None
+):
+    """Problems with one connection's replies: each frame with a valid header is answered in order
+    with its request_id and a body that decodes; nothing follows UNAUTHENTICATED, BAD_FRAME or
+    BUSY; a strict hostile last frame is answered BAD_FRAME. ``tally``: status name -> replies;
+    ``by_method``: (method name, status name) -> replies to the frames with a valid header."""
+    cw = _cwire()
+    replies, problems = _parse_conductor_replies(data, reset)
+    closing = {cw.Status.UNAUTHENTICATED, cw.Status.BAD_FRAME, cw.Status.BUSY}
+    closed = False
+    for i, (status, rid, body) in enumerate(replies):
+        tally[cw.Status(status).name] += 1
+        if closed:
+            problems.append(f"a reply after {closed.name}")
+            break
+        if status in closing:
+            closed = cw.Status(status)
+        if status == cw.Status.BUSY and i == 0:
+            continue
+        if i < len(expected):
+            method, want = expected[i]
+            if by_method is not None:
+                by_method[cw.Method(method).name, cw.Status(status).name] += 1
+            if rid != want:
+                problems.append(f"reply {i} has request_id {rid}, frame {i} had {want}")
+            elif status == cw.Status.BAD_FRAME:
+                problems.append(f"BAD_FRAME for a well-formed {cw.Method(method).name} frame")
+            else:
+                problem = _reply_body_problem(method, status, body)
+                if problem:
+                    problems.append(problem)
+        elif i == len(expected) and hostile is not None:
+            if hostile in _STRICT_HOSTILE and status != cw.Status.BAD_FRAME:
+                problems.append(f"{cw.Status(status).name} for a hostile {hostile} frame")
+            elif hostile in ("cut_header", "cut_body"):
+                problems.append(f"{cw.Status(status).name} for a frame cut short ({hostile})")
+        elif hostile not in ("garbage", "bitflip"):  # the rest of a flipped frame may read as more frames
+            problems.append(f"{len(replies)} replies to {len(expected) + (hostile is not None)} frames")
+            break
+    if not reset and not stalled and not closed:
+        if len(replies) < len(expected):
+            problems.append(f"{len(expected) - len(replies)} of {len(expected)} frames unanswered")
+        elif hostile in _STRICT_HOSTILE and len(replies) == len(expected):
+            problems.append(f"a hostile {hostile} frame unanswered")
+    return len(replies), problems
+
+
+def _conductor_connect(address: str) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _register_engines(master: str, node_id: str) -> int:
+    """A prefill and a decode engine in CONDUCTOR_NAMESPACE (over gRPC); how many registered."""
+    import grpc
+
+    from kvstore_client.proto import kvstore_pb2 as pb
+    from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+
+    registered = 0
+    with grpc.insecure_channel(master) as channel:
+        stub = pb_grpc.ConductorStub(channel)
+        for engine_id, role in (("cf-prefill", pb.PREFILL), ("cf-decode", pb.DECODE)):
+            try:
+                stub.RegisterEngine(
+                    pb.EngineRegistration(
+                        namespace=CONDUCTOR_NAMESPACE, engine_id=engine_id, role=role, node_id=node_id
+                    ),
+                    timeout=10,
+                )
+                registered += 1
+            except grpc.RpcError:
+                pass
+    return registered
+
+
+def _conductor_probe(address: str) -> str | None:
+    """A well-formed AUTH and Schedule on a fresh connection; None when both were answered right."""
+    cw = _cwire()
+    from kvstore_client.proto import kvstore_pb2 as pb
+
+    body = pb.ScheduleRequest(namespace=CONDUCTOR_NAMESPACE, digests=[bytes(16)], input_length=16).SerializeToString()
+    data = cw.pack_header(cw.Method.AUTH, 1, 0) + cw.pack_header(cw.Method.SCHEDULE, 2, len(body)) + body
+    try:
+        with _conductor_connect(address) as sock:
+            got, reset, stalled = _exchange(sock, data, EXCHANGE_TIMEOUT)
+    except OSError as exc:
+        return f"probe: {type(exc).__name__}: {exc}"
+    replies, problems = _parse_conductor_replies(got, reset)
+    statuses = [cw.Status(s).name for s, _, _ in replies]
+    if (
+        problems
+        or reset
+        or stalled
+        or len(replies) != 2
+        or statuses[0] != "OK"
+        or statuses[1] not in ("OK", "REJECTED", "INVALID")
+    ):
+        return f"probe: replies {statuses}, reset {reset}, stalled {stalled}, {problems}"
+    return None
+
+
+def conductor_fuzzer(address: str, seed: int, deadline: float, stop, out, master: str = "", node_id: str = "") -> None:
+    """Fuzzes the master's conductor port at ``address`` until ``deadline`` or ``stop``: connections
+    of pipelined frames (usually one burst, now and then a long one) ending in a hostile frame or
+    not, read to EOF and checked (``_check_conductor_replies``); some closed right after sending,
+    some left open mid-frame for a while, and once a burst of connections over the port's limit.
+    With ``master`` and ``node_id`` it first registers two engines so that Schedules get placed.
+    At the end a well-formed AUTH and Schedule must still be answered (``probe``)."""
+    from kvstore.master.conductor_port import DEFAULT_MAX_CONNECTIONS
+
+    cw = _cwire()
+    rng = random.Random(seed * 104729 + 3)
+    gen = ConductorFrames(rng)
+    stats, statuses, by_method = collections.Counter(), collections.Counter(), collections.Counter()
+    errors: list[str] = []
+    held: collections.deque = collections.deque()
+    probe = "not run"
+    burst_done = False
+
+    def fail(what: str) -> None:
+        stats["malformed_replies"] += 1
+        if len(errors) < 10:
+            errors.append(what)
+
+    def busy_burst() -> None:
+        """Fill the port (its ``DEFAULT_MAX_CONNECTIONS``) and a few more: each of those must be
+        answered BUSY alone (the port then serves again once the others are closed)."""
+        socks = []
+        try:
+            for _ in range(DEFAULT_MAX_CONNECTIONS + CONDUCTOR_BUSY_BURST):
+                socks.append(_conductor_connect(address))
+            for sock in socks[-CONDUCTOR_BUSY_BURST:]:
+                got, reset, stalled = _exchange(sock, b"", EXCHANGE_TIMEOUT)
+                stats["stalls"] += stalled
+                replies, problems = _parse_conductor_replies(got, reset)
+                for status, _, _ in replies:
+                    statuses[cw.Status(status).name] += 1
+                stats["busy_replies"] += sum(1 for s, _, _ in replies if s == cw.Status.BUSY)
+                if not reset and not stalled and [s for s, _, _ in replies] != [cw.Status.BUSY]:
+                    problems.append(f"replies {[cw.Status(s).name for s, _, _ in replies]} past the limit, not BUSY")
+                for problem in problems:
+                    fail(f"busy burst: {problem}")
+        except OSError:
+            stats["connect_failures"] += 1
+        finally:
+            stats["connections"] += len(socks)
+            stats["busy_burst_connections"] += len(socks)
+            for sock in socks:
+                sock.close()
+
+    try:
+        if master and node_id:
+            stats["engines_registered"] = _register_engines(master, node_id)
+        while time.time() < deadline and not stop.is_set():
+            if stats["connections"] >= 100 and not burst_done:
+                burst_done = True
+                for sock in held:
+                    sock.close()
+                held.clear()
+                time.sleep(0.5)  # the port's threads of the connections just closed end
+                busy_burst()
+                continue
+            try:
+                sock = _conductor_connect(address)
+            except OSError:
+                stats["connect_failures"] += 1
+                time.sleep(0.01)
+                continue
+            stats["connections"] += 1
+            mode = rng.random()
+            if mode < 0.04:  # left open mid-frame for a while
+                sock.sendall(gen.frame()[0][: rng.randrange(cw.HEADER_SIZE)])
+                stats["frames"] += 1
+                stats["held"] += 1
+                held.append(sock)
+                if len(held) > CONDUCTOR_HELD:
+                    held.popleft().close()
+                continue
+            frames, expected = [], []
+            if rng.random() < 0.3:
+                frames.append(cw.pack_header(cw.Method.AUTH, 0, 0))
+                expected.append((cw.Method.AUTH, 0))
+            burst = rng.random() < 0.05  # a long pipelined burst of plausible frames
+            n = rng.randint(500, 3000) if burst else min(int(rng.expovariate(1 / 20)) + 1, 500)
+            for _ in range(n):
+                frame, method, rid = gen.frame(small=burst)
+                frames.append(frame)
+                expected.append((method, rid))
+            hostile = None
+            if rng.random() < 0.6:
+                frame, hostile = gen.hostile()
+                frames.append(frame)
+                if hostile in _STRICT_HOSTILE and rng.random() < 0.2:  # bytes after it: the master may reset
+                    frames.append(rng.randbytes(rng.choice((1, 12, 1000))))
+            stats["frames"] += len(frames)
+            data = b"".join(frames)
+            try:
+                if mode < 0.12:  # sent and closed at once, replies unread
+                    stats["abandoned"] += 1
+                    sock.sendall(data[: rng.randrange(1, min(len(data), 1 << 16) + 1)])
+                    continue
+                got, reset, stalled = _exchange(sock, data, EXCHANGE_TIMEOUT)
+            except OSError:
+                stats["resets"] += 1
+                continue
+            finally:
+                sock.close()
+            stats["resets"] += reset
+            stats["stalls"] += stalled
+            replies, problems = _check_conductor_replies(got, expected, hostile, reset, stalled, statuses, by_method)
+            stats["replies"] += replies
+            for problem in problems:
+                fail(problem)
+        for sock in held:
+            sock.close()
+        held.clear()
+        time.sleep(0.2)
+        probe = _conductor_probe(address)
+    except Exception as exc:  # noqa: BLE001 - reported, and fails the run
+        probe = f"the conductor fuzzer failed: {type(exc).__name__}: {exc}"
+    finally:
+        for sock in held:
+            sock.close()
+        out.put(
+            {
+                "conductor_port": {
+                    "frames": stats["frames"],
+                    "connections": stats["connections"],
+                    "replies": stats["replies"],
+                    "statuses": dict(sorted(statuses.items())),
+                    "statuses_by_method": {
+                        name: {status: n for (m, status), n in sorted(by_method.items()) if m == name}
+                        for name in sorted({m for m, _ in by_method})
+                    },
+                    "bodies": dict(sorted(gen.bodies.items())),
+                    "hostile_frames": dict(sorted(gen.hostile_kinds.items())),
+                    "resets": stats["resets"],
+                    "stalls": stats["stalls"],
+                    "abandoned": stats["abandoned"],
+                    "held_open": stats["held"],
+                    "busy_burst_connections": stats["busy_burst_connections"],
+                    "busy_replies": stats["busy_replies"],
+                    "connect_failures": stats["connect_failures"],
+                    "engines_registered": stats["engines_registered"],
+                    "malformed_replies": stats["malformed_replies"],
+                    "errors": errors,
+                    "probe": probe or "ok",
+                }
+            }
+        )
+
+
 # -- the well-behaved client ---------------------------------------------------------------
 class GoodClient:
     """Puts random values and reads them back on its own connections, all the time."""
@@ -869,10 +1307,17 @@ def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path, grp
         procs.append(
             ctx.Process(target=grpc_fuzzer, args=(address, seed, deadline, stop, out, grpc_in_flight), daemon=True)
         )
+        procs.append(
+            ctx.Process(
+                target=conductor_fuzzer,
+                args=(master.record["conductor"], seed, deadline, stop, out, address, plain.record["node_id"]),
+                daemon=True,
+            )
+        )
         for p in procs:
             p.start()
         results = []
-        while len(results) < len(procs):  # the senders end on their own; then the gRPC fuzzer is stopped
+        while len(results) < len(procs):  # the senders end on their own; then the other fuzzers are stopped
             try:
                 results.append(out.get(timeout=1.0))
             except Exception:  # noqa: BLE001 - queue.Empty
@@ -916,6 +1361,24 @@ def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path, grp
     all_ops = sorted(op.name for op in _wire().Op if op != _wire().Op.ERROR)
     covered = [name for name in all_ops if sent.get(name)]
     grpc_calls = sum(sum(c.values()) for c in grpc_codes.values())
+    conductor = next((r["conductor_port"] for r in results if "conductor_port" in r), None)
+    if conductor is None:  # the conductor fuzzer died before it reported
+        conductor = {
+            "frames": 0,
+            "connections": 0,
+            "replies": 0,
+            "statuses": {},
+            "stalls": 0,
+            "malformed_replies": 0,
+            "errors": [],
+            "probe": "no report",
+        }
+    conductor_ok = (
+        conductor["frames"] > 0
+        and conductor["malformed_replies"] == 0
+        and conductor.get("stalls", 0) == 0
+        and conductor["probe"] == "ok"
+    )
     processes = {name: sampler.summary(name) for name in services}
     for name, service in services.items():
         processes[name]["tracebacks"] = service.tracebacks()
@@ -946,6 +1409,8 @@ def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path, grp
         "grpc_methods_covered": f"{sum(1 for c in grpc_codes.values() if c)}/{len(grpc_methods())}",
         "grpc_inputs": dict(grpc_kinds),
         "grpc_codes": {path: dict(sorted(c.items())) for path, c in sorted(grpc_codes.items())},
+        "conductor_port": conductor,
+        "conductor_port_ok": conductor_ok,
         "good_client_ops": dict(good.ops),
         "good_client_failures": good.failures,
         "good_client_errors": good.errors,
@@ -965,6 +1430,7 @@ def run(frames: int, seconds: float, seed: int, senders: int, workdir: Path, grp
         and bounded
         and stats["stalls"] == 0
         and not result["ops_missing"]
+        and conductor_ok
     )
     return result
 
@@ -974,6 +1440,7 @@ def _mib(n: int) -> str:
 
 
 def table(r: dict) -> str:
+    c = r["conductor_port"]
     lines = [
         f"frames sent {r['frames_sent']} in {r['seconds']} s ({r['frames_per_s']}/s), "
         f"{r['connections']} connections, {r['replies']} replies, resets {r['connection_resets']}, "
@@ -981,6 +1448,9 @@ def table(r: dict) -> str:
         f"ops covered {r['ops_covered']}; frames by op {r['frames_by_op']}",
         f"hostile frames {sum(r['hostile_frames'].values())} {r['hostile_frames']}",
         f"gRPC calls {r['grpc_calls']} ({r['grpc_calls_per_s']}/s), methods {r['grpc_methods_covered']}",
+        f"conductor port frames {c['frames']}, {c['connections']} connections, replies {c.get('replies', 0)}, "
+        f"statuses {c['statuses']}, resets {c.get('resets', 0)}, stalls {c.get('stalls', 0)}, "
+        f"malformed replies {c['malformed_replies']} {c.get('errors', [])}, probe {c['probe']}",
         f"good client ops {r['good_client_ops']}, failures {r['good_client_failures']} {r['good_client_errors']}",
         f"crashes {r['crashes']} (nodes {r['node_crashes']}), tracebacks {r['tracebacks']}",
         "",

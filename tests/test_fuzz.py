@@ -1,6 +1,7 @@
 """bench.fuzz, briefly: a real master and two nodes (one with an access file) fuzzed for a few
 seconds from other processes. Nothing crashes, nothing logs a traceback, the well-behaved client
-is served throughout, every op was sent, and memory and fds stay bounded (generous bounds; no
+is served throughout, every op was sent, the master's conductor port was fuzzed and answered
+every frame with a well-formed reply, and memory and fds stay bounded (generous bounds; no
 timing is asserted)."""
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ def test_a_short_fuzz_run_breaks_nothing():
     assert r["stalled_connections"] == 0
     assert r["ops_missing"] == [], r["ops_missing"]
     assert r["grpc_methods_covered"].split("/")[0] == r["grpc_methods_covered"].split("/")[1]
+    c = r["conductor_port"]
+    assert c["frames"] > 0 and c["connections"] > 0 and c["replies"] > 0, c
+    assert c["malformed_replies"] == 0, c["errors"]
+    assert c["stalls"] == 0 and c["probe"] == "ok", c
+    assert r["conductor_port_ok"]
     for name, p in r["processes"].items():
         assert p["rss_anon_growth"] < 256 * MiB, (name, p)
         assert p["end"]["fds"] <= p["start"]["fds"] + 32, (name, p)
