@@ -107,8 +107,13 @@ class FakeBackend:
         self.decode_final = False  # what Schedule says of its decode engine
         self.report_delay = 0.0  # seconds a prefill_finished report takes
         self.report_times: list = []  # (stage, monotonic time its report returned)
+        self.engine_reads = 0
+        self.engines_gate = threading.Event()
+        self.engines_gate.set()
 
     def engines(self):
+        self.engine_reads += 1
+        self.engines_gate.wait(30)  # a test may hold the pool's answer back
         return self.records
 
     def schedule(self, keys, input_length, output_length, request_id, namespace):

@@ -118,6 +118,26 @@ def test_a_final_decode_engine_is_called_without_waiting_for_the_prefill_finishe
         engine.close()
 
 
+def test_stale_engine_records_serve_while_they_are_read_again():
+    engine_app, _ = fake_engine()
+    engine = Served(engine_app)
+    backend = FakeBackend(engine.url)
+    router = Served(build_app(Router(backend, records_ttl_s=0.0)))  # stale at once
+    body = {"model": "tiny", "prompt": list(range(1, 11)), "max_tokens": 2}
+    try:
+        assert post(f"{router.url}/v1/completions", body)[0] == 200  # the first read is waited for
+        backend.engines_gate.clear()  # the pool stops answering engines()
+        reads = backend.engine_reads
+        assert post(f"{router.url}/v1/completions", body)[0] == 200  # served from the records held
+        wait_for(lambda: backend.engine_reads == reads + 1)  # and read again beside it, once
+        assert post(f"{router.url}/v1/completions", body)[0] == 200
+        assert backend.engine_reads == reads + 1  # no second read while the first is out
+    finally:
+        backend.engines_gate.set()
+        router.close()
+        engine.close()
+
+
 def test_the_router_waits_for_the_prompts_partial_last_block_too(stack):
     from dataclasses import replace
 

@@ -291,6 +291,7 @@ class Router:
         self.conductor = ConductorCalls(backend)
         self._records: list[EngineRecord] = []
         self._records_at = -1e9
+        self._refreshing: asyncio.Future | None = None  # a background read of the records
         self._session: ClientSession | None = None
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -301,6 +302,8 @@ class Router:
         await self.conductor.prepare()
 
     async def stop(self, app=None) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
         if self._session is not None:
             await self._session.close()
         await self.conductor.close()
@@ -310,17 +313,27 @@ class Router:
         return ClientTimeout(total=total, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
 
     async def records(self, refresh: bool = False) -> list[EngineRecord]:
-        if refresh or time.monotonic() - self._records_at > self.records_ttl_s:
-            try:
-                self._records = await asyncio.to_thread(self.backend.engines)
-                self._records_at = time.monotonic()
-            except (KVStoreError, OSError) as exc:
-                if not self._records:
-                    raise HTTPFailure(
-                        503, f"cannot read the engine records from the pool: {exc}", "service_unavailable"
-                    ) from None
-                log.warning("router: engine records not refreshed (%s): using the last ones", exc)
+        """The engines' records, read from the pool when ``refresh`` or when none are held. Older
+        than ``records_ttl_s``, the ones held serve while they are read again in the background:
+        no request waits for the pool on that account."""
+        if refresh or not self._records:
+            await self._read_records()
+        elif time.monotonic() - self._records_at > self.records_ttl_s and (
+            self._refreshing is None or self._refreshing.done()
+        ):
+            self._refreshing = asyncio.ensure_future(self._read_records())
         return self._records
+
+    async def _read_records(self) -> None:
+        try:
+            self._records = await asyncio.to_thread(self.backend.engines)
+            self._records_at = time.monotonic()
+        except (KVStoreError, OSError) as exc:
+            if not self._records:
+                raise HTTPFailure(
+                    503, f"cannot read the engine records from the pool: {exc}", "service_unavailable"
+                ) from None
+            log.warning("router: engine records not refreshed (%s): using the last ones", exc)
 
     async def engines_for(self, model: Any) -> list[EngineRecord]:
         """The records of the model's engines (all of them when only one model is served)."""
