@@ -6,8 +6,10 @@ The direct path does what the router does, minus the router: the prefill engine'
 until the master's index lists the prompt's blocks (polled as the router polls: every 2 ms,
 backing off to 10, so that the decode engine's lookup finds them), then the decode engine's
 streamed completion; its TTFT runs from the first call to the decode stream's first chunk. What
-is left to the router: the request's hashing, the conductor's ``Schedule`` and prefill_finished
-report, the engine records' refresh, and one more HTTP hop each way. Each round also reports
+is left to the router: the request's hashing, the conductor's ``Schedule`` (over the master's
+conductor port), and one more HTTP hop each way; its prefill_finished report runs beside the
+index wait and is not waited for when Schedule says the decode engine is final, and the engine
+records are read again in the background. Each round also reports
 the mean time a request spent in each stage: the router's from its ``/metrics``
 (``kvstore_router_stage_seconds_total``), the direct path's as this bench times it.
 
