@@ -18,6 +18,7 @@ NUMERIC = (click.types.IntParamType, click.types.FloatParamType, Size)  # IntRan
 LOWEST = {
     ("master", "port"): 0,
     ("master", "metrics_port"): -1,
+    ("master", "conductor_port"): -1,  # -1: off
     ("node", "port"): 0,
     ("node", "metrics_port"): -1,
     ("up", "port"): 0,
@@ -34,7 +35,7 @@ LOWEST = {
     ("router", "index_wait"): 0,  # 0: any free port; do not wait for the index
     ("drain", "wait_s"): 0,  # 0: do not wait
 }
-PORTS = {"port", "data_port", "metrics_port"}
+PORTS = {"port", "data_port", "metrics_port", "conductor_port"}
 
 
 def numeric_options():
