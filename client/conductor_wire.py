@@ -29,7 +29,7 @@ MAGIC = b"KC"
 VERSION = 1
 HEADER = struct.Struct("<2sBBII")  # magic, version, method (request) or status (reply), request_id, body_len
 HEADER_SIZE = HEADER.size  # 12
-MAX_BODY_BYTES = 16 << 20  # a Schedule of a ~500k-block prompt; a larger header ends the connection
+MAX_BODY_BYTES = 4 << 20  # a Schedule of a ~100k-block prompt; a larger header ends the connection
 MAX_TOKEN_BYTES = 4096  # an AUTH body
 
 

@@ -225,6 +225,9 @@ def test_under_an_access_file_a_call_without_auth_is_refused_and_closed(guarded)
     body = pb.ScheduleRequest(namespace=NS_A, digests=[b"x" * 32], input_length=32).SerializeToString()
     sock.sendall(pack_header(Method.SCHEDULE, 1, len(body)) + body)
     assert read_reply(sock)[0] == Status.UNAUTHENTICATED and closed(sock)
+    sock = raw(guarded)  # a header announcing the largest body, and no body: refused from the header
+    sock.sendall(pack_header(Method.SCHEDULE, 2, MAX_BODY_BYTES))
+    assert read_reply(sock)[:2] == (Status.UNAUTHENTICATED, 2) and closed(sock)
 
 
 @pytest.mark.parametrize("token", [WRONG, "", "x" * 100])

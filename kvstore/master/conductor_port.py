@@ -10,7 +10,7 @@ One accepting thread and one thread per connection, on blocking sockets; a conne
 are answered in order. What a caller may hold is bounded: ``max_connections`` at once (one more
 gets BUSY and is closed), ``idle_timeout`` seconds of silence (``auth_timeout`` before the first
 frame, under an access file) and ``MAX_BODY_BYTES`` a frame, checked from the header before
-anything is read. A frame that breaks the format gets BAD_FRAME and the connection is closed;
+anything is read; no body is read before a connection has proven its token. A frame that breaks the format gets BAD_FRAME and the connection is closed;
 a body that does not parse is INVALID and the connection goes on.
 
 Security is the gRPC gate's: with an access file a connection's first frame must be AUTH with a
@@ -157,17 +157,19 @@ class ConductorPort:
                 if not full:
                     self._conns.add(sock)
             if full:
-                threading.Thread(target=self._refuse, args=(sock,), daemon=True).start()
+                self._refuse(sock)
                 continue
             threading.Thread(target=self._serve, args=(sock, peer), name="conductor-conn", daemon=True).start()
 
     def _refuse(self, sock: socket.socket) -> None:
+        """BUSY to a connection past the limit, from the accepting thread and without waiting
+        (a TLS one is closed unanswered: its handshake would wait for the caller)."""
         try:
-            set_idle_timeout(sock, 1.0)
-            conn = self._tls.wrap_socket(sock, server_side=True) if self._tls is not None else sock
-            message = f"the conductor port serves {self._max_connections} connections at once".encode()
-            conn.sendall(pack_header(Status.BUSY, 0, len(message)) + message)
-        except (OSError, ssl.SSLError):
+            if self._tls is None:
+                sock.setblocking(False)
+                message = f"the conductor port serves {self._max_connections} connections at once".encode()
+                sock.send(pack_header(Status.BUSY, 0, len(message)) + message)
+        except OSError:
             pass
         finally:
             sock.close()
@@ -207,10 +209,10 @@ class ConductorPort:
         if code not in self._handlers:
             _reply(conn, Status.BAD_FRAME, request_id, f"unknown conductor method {code}".encode())
             raise _Closing
-        body = _recv_exactly(conn, body_len)
-        if principal is None:
+        if principal is None:  # before its body: a caller without a token makes the master hold nothing
             _reply(conn, Status.UNAUTHENTICATED, request_id, b"a valid token is required: send AUTH first")
             raise _Closing
+        body = _recv_exactly(conn, body_len)
         status, reply = self._call(Method(code), body, principal)
         _reply(conn, status, request_id, reply)
         return principal
