@@ -53,7 +53,8 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class ConductorLink:
-    """Calls to the conductor port at ``address``. ``token``: sent once per connection (AUTH);
+    """Calls to the conductor port at ``address``. ``token``: sent once per connection, in the
+    AUTH frame each connection opens with (empty without one);
     ``tls``: the client context (``Credentials.client_tls()``), None for plain TCP."""
 
     def __init__(
@@ -129,11 +130,13 @@ class ConductorLink:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._writer = writer
             self._reader_task = asyncio.get_running_loop().create_task(self._read_replies(reader, writer))
-            if self._token is not None:
-                status, body = await self._exchange(writer, Method.AUTH, self._token.encode(), sent=False)
-                if status != Status.OK:
-                    self._drop(LinkDown("token refused", sent=False))
-                    raise error_of(status, body, "AUTH")
+            # AUTH first, with or without a token: a connection turned away (BUSY) or lost fails
+            # here, before any call of the caller's was sent on it
+            token = (self._token or "").encode()
+            status, body = await self._exchange(writer, Method.AUTH, token, sent=False)
+            if status != Status.OK:
+                self._drop(LinkDown("token refused", sent=False))
+                raise error_of(status, body, "AUTH")
             return writer
 
     async def _exchange(self, writer, method: int, body: bytes, sent: bool = True) -> tuple[int, bytes]:
@@ -155,7 +158,7 @@ class ConductorLink:
             self._drop(LinkDown(f"conductor port {self.address} did not answer in {self._timeout:g} s", sent=True))
             raise LinkDown(f"conductor port {self.address} did not answer in {self._timeout:g} s", sent=sent) from None
         except LinkDown as exc:
-            raise LinkDown(str(exc), sent=sent) from None
+            raise LinkDown(str(exc), sent=sent and exc.sent) from None
         finally:
             self._pending.pop(request_id, None)
 
@@ -169,7 +172,8 @@ class ConductorLink:
                 if future is not None and not future.done():
                     future.set_result((status, body))
                 elif status != Status.OK:  # BUSY, or BAD_FRAME of a frame it could not read: why it closes
-                    reason = LinkDown(f"conductor port {self.address}: {error_of(status, body)}", sent=True)
+                    # BUSY comes before any frame is read: nothing sent was acted on
+                    reason = LinkDown(f"conductor port {self.address}: {error_of(status, body)}", status != Status.BUSY)
         except (asyncio.IncompleteReadError, OSError, ssl.SSLError, ProtocolError) as exc:
             if not isinstance(exc, asyncio.IncompleteReadError):
                 reason = LinkDown(f"conductor port {self.address}: {exc!r}", sent=True)

@@ -198,6 +198,9 @@ def test_connections_past_the_limit_are_told_busy(master):
         second = raw(port)
         status, _, body = read_reply(second)
         assert status == Status.BUSY and b"1 connections" in body and closed(second)
+        with pytest.raises(LinkDown) as err:  # a link turned away: nothing it sent was acted on
+            run(with_link(port.address, lambda link: link.schedule(keys(), 32, 1)))
+        assert err.value.sent is False
         first.close()
         for _ in range(100):  # the first one's slot is freed once its thread sees it closed
             if port.connections() == 0:
