@@ -615,7 +615,7 @@ def port_of(address: str) -> int:
 def test_without_the_flag_the_master_opens_no_zmq_socket(stream):
     plain_master = start_master(ttl=1.0)
     try:
-        expected = {port_of(plain_master.record["master"]), port_of(plain_master.record["metrics"])}
+        expected = {port_of(plain_master.record[k]) for k in ("master", "metrics", "conductor")}
         assert listening_tcp_ports(plain_master.proc.pid) == expected
         assert not loads_zmq(plain_master.proc.pid) and "kv_events" not in plain_master.record
     finally:
@@ -623,7 +623,7 @@ def test_without_the_flag_the_master_opens_no_zmq_socket(stream):
     with_events = stream["master"]  # the check itself sees the sockets when there are some
     record = with_events.record
     assert listening_tcp_ports(with_events.proc.pid) == {
-        port_of(record[k]) for k in ("master", "metrics", "kv_events", "kv_events_replay")
+        port_of(record[k]) for k in ("master", "metrics", "conductor", "kv_events", "kv_events_replay")
     }
     assert loads_zmq(with_events.proc.pid)
 
