@@ -653,6 +653,16 @@ def _mutate(data: bytes, rng: random.Random) -> bytes:
     return bytes(data)
 
 
+def _broken_body(descriptor, rng: random.Random, r: float) -> tuple[str, bytes]:
+    """(kind, body) of a message body that is not one, for a draw ``r`` past the well-formed
+    ones: a mutated serialization (r < 0.85), garbage (< 0.95) or nothing."""
+    if r < 0.85:
+        return "mutated", _mutate(random_message(descriptor, rng).SerializeToString(), rng)
+    if r < 0.95:
+        return "garbage", rng.randbytes(rng.choice((1, 5, 64, 1000, 100000)))
+    return "empty", b""
+
+
 def grpc_fuzzer(master: str, seed: int, deadline: float, stop, out, in_flight: int = 8) -> None:
     """Calls every gRPC method with random / mutated / garbage bodies until ``deadline`` or ``stop``."""
     import grpc
@@ -683,12 +693,8 @@ def grpc_fuzzer(master: str, seed: int, deadline: float, stop, out, in_flight: i
             r = rng.random()
             if r < 0.6:
                 kind, body = "random", random_message(descriptor, rng).SerializeToString()
-            elif r < 0.85:
-                kind, body = "mutated", _mutate(random_message(descriptor, rng).SerializeToString(), rng)
-            elif r < 0.95:
-                kind, body = "garbage", rng.randbytes(rng.choice((1, 5, 64, 1000, 100000)))
             else:
-                kind, body = "empty", b""
+                kind, body = _broken_body(descriptor, rng, r)
             kinds[kind] += 1
             pending.append((path, calls[path].future(body, timeout=10)))
             while len(pending) >= in_flight:
@@ -766,12 +772,8 @@ class ConductorFrames:
             if rng.random() < 0.4:  # past the namespace check, into the conductor
                 msg.namespace = CONDUCTOR_NAMESPACE
             kind, body = "random", msg.SerializeToString()
-        elif r < 0.85:
-            kind, body = "mutated", _mutate(random_message(descriptor, rng).SerializeToString(), rng)
-        elif r < 0.95:
-            kind, body = "garbage", rng.randbytes(rng.choice((1, 5, 64, 1000, 100000)))
         else:
-            kind, body = "empty", b""
+            kind, body = _broken_body(descriptor, rng, r)
         self.bodies[kind] += 1
         return body
 

@@ -36,8 +36,8 @@ def keys(n: int = 3, namespace: str = NS):
     return [(namespace, os.urandom(32)) for _ in range(n)]
 
 
-def with_engines(master: MasterServer, namespace: str = NS, token: str | None = None) -> None:
-    with Client(master.address, token=token) as client:
+def with_engines(master: MasterServer, namespace: str = NS, **client_args) -> None:
+    with Client(master.address, **client_args) as client:
         client.scheduling.register_engine(namespace, "P", "prefill", "node-1")
         client.scheduling.register_engine(namespace, "D", "decode", "node-1")
 
@@ -266,7 +266,7 @@ def test_over_tls_with_the_masters_certificate(tmp_path):
     ca = make_ca(tmp_path)
     tls = ServerTLS(*issue(tmp_path, ca, "server", server=True), ca=str(ca[2]))
     with MasterServer(tls=tls) as m:
-        with_engines_tls(m, str(ca[2]))
+        with_engines(m, tls_ca=str(ca[2]))
         context = Credentials(tls_ca=str(ca[2])).client_tls()
         where = run(with_link(m.conductor_address, lambda link: link.schedule(keys(), 32, 1), tls=context))
         assert where.decode_engine == "D"
@@ -277,12 +277,6 @@ def test_over_tls_with_the_masters_certificate(tmp_path):
             other = make_ca(tmp_path, "another CA")
             strange = ssl.create_default_context(cafile=str(other[2]))
             run(with_link(m.conductor_address, lambda link: link.schedule(keys(), 32, 1), tls=strange))
-
-
-def with_engines_tls(master: MasterServer, ca: str) -> None:
-    with Client(master.address, tls_ca=ca) as client:
-        client.scheduling.register_engine(NS, "P", "prefill", "node-1")
-        client.scheduling.register_engine(NS, "D", "decode", "node-1")
 
 
 # -- the router's choice --------------------------------------------------------------------

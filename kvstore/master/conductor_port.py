@@ -94,7 +94,7 @@ class ConductorPort:
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
         auth_timeout: float = AUTH_TIMEOUT,
     ):
-        self._servicer, self._count = servicer, count
+        self._count = count
         self._access, self._tls, self._serving = access, tls, serving
         self._max_connections, self._idle_timeout, self._auth_timeout = max_connections, idle_timeout, auth_timeout
         self._handlers = {Method.SCHEDULE: servicer.schedule, Method.REPORT_REQUEST: servicer.report_request}

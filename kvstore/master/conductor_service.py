@@ -66,7 +66,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         self._replicator = replicator
         self._options = options
         self._cost = cost or CostModel()
-        self._count = counter  # the master's RPC counter, shared with the metrics
+        self.count_rpc = counter  # the master's RPC counter, shared with the metrics
         self._clock = clock  # None: the real clock; tests inject a SimClock (request TTLs)
         self._conductors: dict[str, Conductor] = {}
         self._lock = threading.Lock()

@@ -108,7 +108,7 @@ class MasterServer:
             conductor_address=lambda: self.conductor_address or "",
         )
         self.conductor = ConductorServicer(
-            self.index, self.replicator, scheduling or SchedulingOptions(), self.servicer._count, cost=cost
+            self.index, self.replicator, scheduling or SchedulingOptions(), self.servicer.count_rpc, cost=cost
         )
         self._max_workers = max_workers
         self._conductor_port_number = conductor_port  # None: no conductor port
@@ -207,7 +207,7 @@ class MasterServer:
         if self._conductor_port_number is not None:
             self._conductor_port = ConductorPort.open(
                 self.conductor,
-                self.servicer._count,
+                self.servicer.count_rpc,
                 self.host,
                 self._conductor_port_number,
                 access=self.access,

@@ -96,13 +96,13 @@ def _rpc(method):
             reply = method(self, request, context)
         except KVStoreError as e:
             code = status_for(e)
-            self._count(name, code)
+            self.count_rpc(name, code)
             context.abort(code, f"{name}: {e}")
         except Exception as e:  # a bug: say so, do not leak a traceback to the client
             log.exception("%s failed", name)
-            self._count(name, grpc.StatusCode.INTERNAL)
+            self.count_rpc(name, grpc.StatusCode.INTERNAL)
             context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error: {type(e).__name__}")
-        self._count(name, grpc.StatusCode.OK)
+        self.count_rpc(name, grpc.StatusCode.OK)
         return reply
 
     return wrapper
@@ -148,7 +148,8 @@ class MasterServicer(pb_grpc.MasterServicer):
         self._counts: dict[tuple[str, str], int] = {}
         self._location_cache: dict[ix.Holders, pb.KeyLocation] = {}
 
-    def _count(self, method: str, code: grpc.StatusCode) -> None:
+    def count_rpc(self, method: str, code: grpc.StatusCode) -> None:
+        """One call of ``method`` answered with ``code`` (the conductor's calls count here too)."""
         key = (method, code.name)
         with self._counts_lock:
             self._counts[key] = self._counts.get(key, 0) + 1
