@@ -459,6 +459,20 @@ def map_base(path: Path) -> int:
     raise RuntimeError(f"{path} is not mapped")
 
 
+def begin_current(env, attempts: int = 10):
+    """A read transaction on ``env`` at the file's current size. A node that grew its map since we
+    opened the file makes lmdb refuse the begin (MDB_MAP_RESIZED); a map size of 0 adopts the new
+    size, and the node may grow it again before the next try."""
+    import lmdb
+
+    for _ in range(attempts - 1):
+        try:
+            return env.begin(buffers=True)
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)
+    return env.begin(buffers=True)
+
+
 def corrupt_live(ssd_dir: Path, rng: random.Random, records: int) -> list:
     """Flip one byte inside the payload of ``records`` records of a serving node's lmdb file; the
     keys whose records are now damaged. The records are found through an lmdb read transaction of
@@ -473,8 +487,8 @@ def corrupt_live(ssd_dir: Path, rng: random.Random, records: int) -> list:
     env = lmdb.open(str(ssd_dir), readonly=True, lock=True, subdir=True, max_readers=512)
     damaged = []
     try:
-        base = map_base(ssd_dir / "data.mdb")
-        with env.begin(buffers=True) as txn, open(ssd_dir / "data.mdb", "r+b") as f:
+        with begin_current(env) as txn, open(ssd_dir / "data.mdb", "r+b") as f:
+            base = map_base(ssd_dir / "data.mdb")  # after the begin: adopting a grown map moves it
             entries = [(bytes(k), v) for k, v in txn.cursor()]
             rng.shuffle(entries)
             for raw_key, value in entries[:records]:
