@@ -1202,8 +1202,6 @@ def router(
     **credentials,
 ) -> None:
     """Serve an OpenAI-compatible API that runs prefill and decode on the engines the conductor picks."""
-    import asyncio
-
     from kvstore.router.server import PoolBackend, Router, serve
     from kvstore.serving import service_process
 
@@ -1221,7 +1219,7 @@ def router(
     import threading
 
     listening: concurrent.futures.Future = concurrent.futures.Future()
-    loop = asyncio.new_event_loop()
+    loop = router_event_loop()
     task = loop.create_task(serve(routing, host, port, listening.set_result))
 
     def run() -> None:
@@ -1239,6 +1237,17 @@ def router(
         raise click.ClickException(f"router: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     announce(as_json, [f"kvstore router listening on {url} (master {master_address})"], {"router": url})
     signals.serve([lambda: loop.call_soon_threadsafe(task.cancel), lambda: thread.join(timeout=10)])
+
+
+def router_event_loop():
+    """uvloop's event loop when it is installed (the router extra brings it), else asyncio's."""
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def connect(master_address: str, etcd_ca=None, etcd_cert=None, etcd_key=None, **credentials):

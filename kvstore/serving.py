@@ -5,6 +5,8 @@ garbage collector kept from pausing it for all of its state (``kvstore.gc_pauses
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import threading
 import time
@@ -18,16 +20,25 @@ class StopSignals:
     so that a signal that arrives while they start or announce themselves still stops them
     cleanly (instead of killing the process with arenas and sockets left behind).
 
-    The handler only sets a flag that ``wait`` polls: a handler runs in the main thread
-    between two bytecodes, so one that took a lock (``Event.set`` does) would deadlock
-    whenever the signal landed while the main thread held that lock. Handlers are installed
-    only in the main thread (elsewhere ``wait`` blocks until the process ends)."""
+    The handler only sets a flag: a handler runs in the main thread between two bytecodes,
+    so one that took a lock (``Event.set`` does) would deadlock whenever the signal landed
+    while the main thread held that lock. ``wait`` sleeps in ``select`` on a pipe that the
+    interpreter writes a byte to as any signal arrives (``signal.set_wakeup_fd``), so an idle
+    service process has no thread waking up to look at the flag. Handlers are installed
+    only in the main thread (elsewhere ``wait`` polls the flag until the process ends)."""
 
     def __init__(self) -> None:
         self._stopping = False
         self._previous = {}
+        self._wakeup: tuple[int, int] | None = None  # the pipe (read end, write end) signals wake wait on
+        self._previous_wakeup_fd = -1
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+            read_end, write_end = os.pipe()
+            for fd in (read_end, write_end):
+                os.set_blocking(fd, False)
+            self._wakeup = (read_end, write_end)
+            self._previous_wakeup_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
 
     def _handler(self, signum, frame) -> None:
         self._stopping = True
@@ -40,13 +51,25 @@ class StopSignals:
     def wait(self) -> None:
         """Block until a signal came (at once if one came already)."""
         while not self._stopping:
-            time.sleep(POLL_S)
+            if self._wakeup is None:
+                time.sleep(POLL_S)
+                continue
+            select.select([self._wakeup[0]], [], [])  # a signal's byte lands here, before the flag is checked again
+            try:
+                os.read(self._wakeup[0], 512)
+            except BlockingIOError:
+                pass
 
     def restore(self) -> None:
         """Put back the handlers there were before."""
         for sig, old in self._previous.items():
             signal.signal(sig, old)
         self._previous = {}
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
 
     def serve(self, stops: list[Callable[[], None]]) -> None:
         """``wait``; then restore the handlers and call ``stops`` in order."""

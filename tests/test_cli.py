@@ -178,3 +178,25 @@ def test_stop_signals_catch_a_signal_sent_before_serving_then_stop_in_order():
     signals.serve([lambda: stopped.append("node"), lambda: stopped.append("master")])
     assert stopped == ["node", "master"]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_stop_signals_wait_sleeps_until_a_signal_from_another_thread():
+    """wait() blocks without waking up to poll (a few schedules of the main thread in a second,
+    where polling every 0.1 s took ten or more) and returns on a signal sent meanwhile."""
+    import signal
+    import threading
+
+    from kvstore.serving import StopSignals
+
+    def main_thread_runs() -> int:  # times the scheduler put this (main) thread on a CPU
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[2])
+
+    signals = StopSignals()
+    sender = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    before = main_thread_runs()
+    sender.start()
+    signals.serve([])
+    sender.join()
+    assert main_thread_runs() - before < 6
+    assert signal.set_wakeup_fd(-1) == -1  # the wakeup pipe was handed back

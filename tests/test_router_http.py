@@ -406,3 +406,14 @@ def test_the_load_tracker_counts_waiting_and_running_requests():
     assert tracker.load() == {"queue_length": 2, "running_batch": 1, "context_tokens": 100}
     tracker.finished("a"), tracker.finished("b")
     assert tracker.load() == {"queue_length": 0, "running_batch": 0, "context_tokens": 0}
+
+
+def test_the_router_runs_on_uvloop_where_it_is_installed():
+    uvloop = pytest.importorskip("uvloop")
+    from kvstore.cli import router_event_loop
+
+    loop = router_event_loop()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
