@@ -135,8 +135,9 @@ class ConductorLink:
             token = (self._token or "").encode()
             status, body = await self._exchange(writer, Method.AUTH, token, sent=False)
             if status != Status.OK:
-                self._drop(LinkDown("token refused", sent=False))
-                raise error_of(status, body, "AUTH")
+                refused = error_of(status, body, "AUTH")  # refused, or BUSY: the port's limit
+                self._drop(LinkDown(f"conductor port {self.address}: {refused}", sent=False))
+                raise refused
             return writer
 
     async def _exchange(self, writer, method: int, body: bytes, sent: bool = True) -> tuple[int, bytes]:

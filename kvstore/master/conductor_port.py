@@ -10,8 +10,9 @@ One accepting thread and one thread per connection, on blocking sockets; a conne
 are answered in order. What a caller may hold is bounded: ``max_connections`` at once (one more
 gets BUSY and is closed), ``idle_timeout`` seconds of silence (``auth_timeout`` before the first
 frame, under an access file) and ``MAX_BODY_BYTES`` a frame, checked from the header before
-anything is read; no body is read before a connection has proven its token. A frame that breaks the format gets BAD_FRAME and the connection is closed;
-a body that does not parse is INVALID and the connection goes on.
+anything is read; no body is read before a connection has proven its token. A frame that
+breaks the format gets BAD_FRAME and the connection is closed; a body that does not parse is
+INVALID and the connection goes on.
 
 Security is the gRPC gate's: with an access file a connection's first frame must be AUTH with a
 token of that file (else UNAUTHENTICATED, and closed), each call needs a role its gRPC method
