@@ -14,7 +14,8 @@ the same-host path (shared memory) and TCP, and for bf16, fp16 and fp32 tensors:
   layouts (LBNHC, one run per block; LHBNC, gathered and scattered), saved and loaded back;
 - GB/s of put from and get_into into device memory for 1 MiB to 64 MiB, next to torch's
   own host-to-device and device-to-host copies of the same size in the same run, from
-  pinned and from pageable host memory.
+  pinned and from pageable host memory; and a same-host get_into by a client that does not
+  verify checksums (``verify=False``), to tell the copy's cost from the CPU's hashing.
 
 Progress goes to stderr, the result (JSON with ``--json``) to stdout. Without a usable GPU it
 prints ``{"gpu": false, "reason": ...}`` and exits 0. It stops starting new rate rows after
@@ -248,8 +249,10 @@ def timed(fn, repeats: int, sync) -> float:
     return times[len(times) // 2]
 
 
-def rate_row(clients: dict, torch, device, size: int, repeats: int) -> dict:
-    """GB/s of the pool's put / get_into per path, and torch's copies of the same size."""
+def rate_row(clients: dict, unverified, torch, device, size: int, repeats: int) -> dict:
+    """GB/s of the pool's put / get_into per path, a same-host get_into that skips the checksum
+    (``unverified``, a ``Client(verify=False)``: what the copy alone costs), and torch's copies
+    of the same size."""
     from kvstore_client import make_key
 
     sync = torch.cuda.synchronize if device.type != "cpu" else (lambda: None)
@@ -262,6 +265,8 @@ def rate_row(clients: dict, torch, device, size: int, repeats: int) -> dict:
         row[f"{path}_put_gbps"] = round(gb / timed(lambda c=client, k=key: c.put(k, src), repeats, sync), 3)
         row[f"{path}_get_into_gbps"] = round(gb / timed(lambda c=client, k=key: c.get_into(k, out), repeats, sync), 3)
         row[f"{path}_round_trip_ok"] = bool(torch.equal(src, out))
+    key = make_key("gpucheck-rate", f"shm-{size}".encode())
+    row["shm_get_into_unverified_gbps"] = round(gb / timed(lambda: unverified.get_into(key, out), repeats, sync), 3)
     pageable = torch.empty(size, dtype=torch.uint8)
     pinned = torch.empty(size, dtype=torch.uint8, pin_memory=device.type != "cpu")
     row["torch_h2d_pinned_gbps"] = round(gb / timed(lambda: out.copy_(pinned, non_blocking=True), repeats, sync), 3)
@@ -290,6 +295,7 @@ def run(args) -> dict:
         progress(f"pool up: master {master.record['master']}")
         try:
             clients = {path: Client(master.record["master"], data_path=path) for path in PATHS}
+            unverified = Client(master.record["master"], data_path="shm", verify=False)
             checks = []
             for path, client in clients.items():
                 for dtype_name in DTYPES:
@@ -302,8 +308,8 @@ def run(args) -> dict:
                     result["rates_cut_at_mib"] = size // MiB
                     break
                 progress(f"rates at {size // MiB} MiB")
-                rows.append(rate_row(clients, torch, device, size, args.repeats))
-            for client in clients.values():
+                rows.append(rate_row(clients, unverified, torch, device, size, args.repeats))
+            for client in (*clients.values(), unverified):
                 client.close()
         finally:
             node.close()

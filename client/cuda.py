@@ -151,6 +151,8 @@ class DeviceView:
 def _host_tensor(view: memoryview):
     """A CPU uint8 tensor over ``view``'s memory (no copy)."""
     torch = _torch()
+    if not view.readonly:  # torch warns of read-only buffers only
+        return torch.frombuffer(view, dtype=torch.uint8)
     with warnings.catch_warnings():  # read-only sources: the tensor is only read from
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(view, dtype=torch.uint8)
