@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
+from bench.serve_client import prompt_counters  # noqa: E402
 from bench.vllm_engine import make_llama, make_tokenizer  # noqa: E402
 from tests.processes import ROOT, Service, start_master, start_node  # noqa: E402
 
@@ -241,13 +242,24 @@ def test_a_shared_prefix_is_found_by_the_conductor(cluster):
         assert "kvstore_router_prefix_tokens_total" in resp.read().decode()
 
 
-def test_overload_is_429_with_retry_after(cluster):
+def test_overload_is_429_with_retry_after_and_no_engine_computes_the_rejected_prompt(cluster):
+    engines = {name: cluster[name].url for name in ("prefill", "decode")}
+    before = {name: prompt_counters(url)["prompt"] for name, url in engines.items()}
     status, headers, data = post(
         f"{cluster['router']}/v1/completions", {"model": "tiny", "prompt": prompt(3000), "max_tokens": 4}
     )
     assert status == 429, data
     assert headers["Retry-After"] == "1" and headers["x-kvstore-reject-reason"] == "ttft_slo"
     assert json.loads(data)["error"]["type"] == "overloaded"
+    # Early rejection wastes no prefill: each engine is sent a 40-token request after the 429;
+    # a prefill of the rejected prompt would have been counted before it (the router waits for
+    # the prefill's answer), so once those 40 are counted each counter grew by them alone.
+    for name, url in engines.items():
+        completion(url, {"model": "tiny", "prompt": prompt(40), "max_tokens": 1})
+        deadline = time.monotonic() + 10
+        while (grew := prompt_counters(url)["prompt"] - before[name]) < 40 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert grew == 40, (name, grew)
 
 
 def test_a_decode_engine_killed_mid_stream_ends_the_stream_with_an_error(cluster):
