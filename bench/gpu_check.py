@@ -260,13 +260,17 @@ def rate_row(clients: dict, unverified, torch, device, size: int, repeats: int) 
     src = random_tensor(torch, size, torch.uint8, device, size)
     out = torch.empty_like(src)
     row = {"size_mib": size // MiB}
+
+    def key_of(path: str):
+        return make_key("gpucheck-rate", f"{path}-{size}".encode())
+
     for path, client in clients.items():
-        key = make_key("gpucheck-rate", f"{path}-{size}".encode())
+        key = key_of(path)
         row[f"{path}_put_gbps"] = round(gb / timed(lambda c=client, k=key: c.put(k, src), repeats, sync), 3)
         row[f"{path}_get_into_gbps"] = round(gb / timed(lambda c=client, k=key: c.get_into(k, out), repeats, sync), 3)
         row[f"{path}_round_trip_ok"] = bool(torch.equal(src, out))
-    key = make_key("gpucheck-rate", f"shm-{size}".encode())
-    row["shm_get_into_unverified_gbps"] = round(gb / timed(lambda: unverified.get_into(key, out), repeats, sync), 3)
+    shm_key = key_of("shm")  # the block the shm client just put
+    row["shm_get_into_unverified_gbps"] = round(gb / timed(lambda: unverified.get_into(shm_key, out), repeats, sync), 3)
     pageable = torch.empty(size, dtype=torch.uint8)
     pinned = torch.empty(size, dtype=torch.uint8, pin_memory=device.type != "cpu")
     row["torch_h2d_pinned_gbps"] = round(gb / timed(lambda: out.copy_(pinned, non_blocking=True), repeats, sync), 3)
