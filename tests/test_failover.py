@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -71,6 +72,23 @@ def test_paused_leader_does_not_serve_when_resumed(tmp_path):
         assert dict(refused.trailing_metadata()).get(LEADER_METADATA) == second.record["master"]
         with Client(address, timeout=10) as client:  # the cluster itself serves, through the new leader
             blocks = write_blocks(client, 4, b"new")
+            assert wrong_bytes(client, blocks) == (0, 0)
+
+
+@needs_etcd
+def test_a_put_during_failover_waits_for_the_nodes_to_register_again(tmp_path):
+    with run_cluster(tmp_path, lease_ttl=2, node_ttl=5.0) as (etcd, (first, second), node, address):
+        with Client(address, timeout=10) as client:
+            node.signal(signal.SIGSTOP)  # it cannot re-register until the put below is waiting
+            try:
+                first.signal(signal.SIGKILL)
+                wait_until(lambda: leader_of(etcd.endpoint) == second.record["master"], 15)
+                writer = ThreadPoolExecutor(1).submit(write_blocks, client, 4, b"failover")
+                time.sleep(0.5)
+                assert not writer.done()  # the new leader knows no node yet: the put waits, not fails
+            finally:
+                node.signal(signal.SIGCONT)
+            blocks = writer.result(timeout=15)
             assert wrong_bytes(client, blocks) == (0, 0)
 
 

@@ -174,3 +174,21 @@ def test_the_id_is_free_once_the_lease_lapses(members, clock):
     members.register(NodeIdentity("a", data_address="h:2"), credential="new run")
     assert members.heartbeat("a", credential="new run")
     assert members.get("a").info.data_address == "h:2"
+
+
+def test_forget_all_empties_the_pool_and_waits_one_ttl_for_the_nodes(members, clock):
+    assert not members.rejoining()  # a master that never forgot: an empty pool is the real one
+    members.register(NodeIdentity("a"))
+    members.register(NodeIdentity("b"))
+    assert members.report("a", blocks(1, 2))
+    members.set_draining("b", True)
+    assert members.forget_all() == ["a", "b"]
+    assert len(members) == 0 and members.index.node_blocks("a") == 0
+    assert members.rejoining()
+    members.register(NodeIdentity("b"))
+    assert not members.rejoining() and not members.is_draining("b")  # placeable again: the new term's own
+    members.remove("b")
+    clock.now += 4.9
+    assert members.rejoining()
+    clock.now += 0.1
+    assert not members.rejoining()  # a node silent for a whole TTL is not coming back

@@ -129,6 +129,17 @@ def test_successive_placements_spread_over_equally_free_nodes(stub):
     assert sorted(chosen) == ["x", "x", "y", "y", "z", "z"]  # each placement is charged to its node
 
 
+def test_a_new_leader_answers_unavailable_for_placements_until_a_node_registers(stub, cluster, server):
+    server.reset_state()  # what a master elected leader does: its nodes register again within a TTL
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Place(pb.PlaceRequest(namespace=NS, bytes=1 << 20))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # passing: an etcd:// client retries it
+    assert "registering" in refused.value.details()
+    stub.Register(pb.RegisterRequest(info=node_info("c", "m3")))
+    assert stub.Heartbeat(pb.HeartbeatRequest(node_id="c", tiers=dram(10 << 30, 0))).known
+    assert [n.node_id for n in stub.Place(pb.PlaceRequest(namespace=NS, bytes=1 << 20)).nodes] == ["c"]
+
+
 def test_cluster_status(stub, cluster):
     reply = stub.ClusterStatus(pb.ClusterStatusRequest())
     assert reply.indexed_keys == 6 and reply.replication_factor == 2

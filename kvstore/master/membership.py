@@ -123,6 +123,7 @@ class Membership:
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeState] = {}
         self._draining: set[str] = set()  # node ids out of service (kept across re-registration)
+        self._rejoin_until = float("-inf")  # after forget_all: nodes are expected back before this
 
     def register(self, info: NodeIdentity, credential: str = "") -> None:
         """Add or replace a node; its index entries start empty (it reports its inventory next).
@@ -223,6 +224,27 @@ class Membership:
             self._draining.discard(node_id)
             self.index.drop_node(node_id)
             return True
+
+    def forget_all(self) -> list[str]:
+        """Drop every node and its blocks (a master elected leader starts afresh); their ids.
+        Live nodes re-register within one ``ttl_s`` (each heartbeats more often than that):
+        until then, :meth:`rejoining` says an empty pool is not yet the real one."""
+        with self._lock:
+            gone = sorted(self._nodes)
+            for node_id in gone:
+                del self._nodes[node_id]
+                self.index.drop_node(node_id)
+            self._draining.clear()
+            self._rejoin_until = self._clock() + self.ttl_s
+            return gone
+
+    def rejoining(self) -> bool:
+        """Whether no node is placeable yet within ``ttl_s`` of :meth:`forget_all`: the
+        nodes are re-registering, so "no node" would be a wrong answer to give a writer."""
+        with self._lock:
+            if self._clock() >= self._rejoin_until:
+                return False
+        return not self.placeable_nodes()
 
     def set_draining(self, node_id: str, draining: bool) -> bool:
         """Take a node out of service (no placements, its reports not indexed) or back in.

@@ -162,10 +162,9 @@ class MasterServer:
 
     def reset_state(self) -> None:
         """Forget every node (and so the whole index): what a master elected leader does first."""
-        for state in self.membership.nodes():
-            self.membership.remove(state.node_id)
+        for node_id in self.membership.forget_all():
             if self.quotas is not None:
-                self.quotas.forget(state.node_id)
+                self.quotas.forget(node_id)
 
     @property
     def is_leader(self) -> bool:

@@ -49,6 +49,7 @@ from kvstore_client.errors import (
     Overloaded,
     PermissionDenied,
     QuotaExceeded,
+    ServiceUnavailable,
     Unauthenticated,
     UnknownNamespace,
 )
@@ -81,6 +82,8 @@ def status_for(error: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(error, Unauthenticated):
         return grpc.StatusCode.UNAUTHENTICATED
+    if isinstance(error, ServiceUnavailable):  # passing: the caller may retry (an etcd:// client does)
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(error, ValueError):  # other KVStoreError value errors: still the caller's input
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
@@ -277,6 +280,8 @@ class MasterServicer(pb_grpc.MasterServicer):
             candidates = [
                 Candidate(n, s.info.machine_id, s.dram_free(), sum(counts.get(n, {}).values())) for n, s in live.items()
             ]
+            if not live and self.membership.rejoining():
+                raise ServiceUnavailable("newly elected: the storage nodes are registering again")
             chosen = self.placement.choose(candidates, machine_id=request.machine_id, replicas=request.replicas)
             self.membership.charge(chosen, request.bytes)
         return pb.PlaceReply(nodes=[info_to_pb(live[n].info) for n in chosen])
