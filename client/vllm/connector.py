@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvstore_client.errors import ConfigError, KVStoreError
+from kvstore_client.vllm.cpu_amx import permit_amx
 from kvstore_client.vllm.layouts import describe, identify, layout_format
 from kvstore_client.vllm.naming import KVLayout, PoolNaming
 from kvstore_client.vllm.plans import RequestPlans, StepPlan
@@ -200,6 +201,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 describe(family, tensor.shape, tensor.stride(), tensor.element_size(), str(spec.dtype), spec.head_size)
             )
             layers.append(tensor)
+        if any(tensor.device.type == "cpu" for tensor in layers):
+            permit_amx()  # before the first step, which may be a loaded prompt's last token (see cpu_amx)
         self._transfers = LayerwiseTransfers(self._client, self._naming, layers, layouts, block_format=self._format)
 
     @classmethod
