@@ -11,12 +11,17 @@ thread-safe; samples sharing a name are grouped under one HELP/TYPE header
 (the first sample's help and type). A collect() that raises answers 500.
 The server runs on a daemon thread (one thread per request), so a process
 never waits for it at exit. Used by the master and the storage node.
+Between requests that thread sleeps in ``select`` until a client connects
+or ``stop()`` writes to a pipe: an idle exporter does not wake up, and stops
+at once.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import selectors
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterable, Mapping
@@ -26,6 +31,7 @@ log = logging.getLogger(__name__)
 Sample = tuple[str, str, str, Mapping[str, str], float]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TYPES = ("counter", "gauge", "untyped", "summary", "histogram")
+_ACCEPT_TIMEOUT_S = 1.0  # longest handle_request() waits should a ready connection be gone before accept
 
 
 def _escape_label(value: str) -> str:
@@ -79,10 +85,21 @@ class MetricsServer:
         self._access = access
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="metrics-http", daemon=True
-        )
+        self._httpd.timeout = _ACCEPT_TIMEOUT_S
+        self._wake_read, wake_write = os.pipe()  # stop() writes a byte: the serving thread returns
+        self._wake_write: int | None = wake_write
+        self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
         self._thread.start()
+
+    def _serve(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._httpd.socket, selectors.EVENT_READ)
+            selector.register(self._wake_read, selectors.EVENT_READ)
+            while True:
+                ready = {key.fileobj for key, _ in selector.select()}
+                if self._wake_read in ready:
+                    return
+                self._httpd.handle_request()  # accepts the connection; its own thread serves it
 
     @property
     def address(self) -> str:
@@ -95,10 +112,13 @@ class MetricsServer:
 
     def stop(self) -> None:
         """Stop serving and close the socket (idempotent)."""
-        if self._thread.is_alive():
-            self._httpd.shutdown()
+        if self._wake_write is not None:
+            os.write(self._wake_write, b"x")
             self._thread.join()
-        self._httpd.server_close()
+            self._httpd.server_close()
+            for fd in (self._wake_read, self._wake_write):
+                os.close(fd)
+            self._wake_write = None
 
     def __enter__(self) -> MetricsServer:
         return self

@@ -125,7 +125,7 @@ class MasterAgent:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstore-master-agent", daemon=True)
         self._reconnected = threading.Event()  # the channel is READY again after a loss: heartbeat now
-        self._wake = threading.Event()  # ends the agent's wait early: stop, or a reconnect
+        self._wake = threading.Event()  # ends the agent's wait early: stop, a reconnect, the first queued event
         self._was_lost = False
         self._prepared: Inventory | None = None  # taken while the master was away, for the next registration
         store.subscribe(self._on_event)
@@ -226,7 +226,9 @@ class MasterAgent:
                 self._pause(min(self._heartbeat_interval, _RETRY_S))
                 continue
             wait = self._report_wait()
-            self._pause(self._flush_interval if wait is None else max(wait, 0.001))  # a stream does not spin it
+            if wait is None:  # nothing queued: idle until the heartbeat (the first event, a reconnect or stop wake it)
+                wait = next_heartbeat - time.monotonic() if self._registration.is_set() else self._flush_interval
+            self._pause(max(wait, 0.001))  # a stream does not spin it
         try:
             self._flush(drain=True)
         except grpc.RpcError:

@@ -1,11 +1,11 @@
 """Making room: watermark eviction, demotion DRAM -> SSD, promotion SSD -> DRAM.
 
 Mechanism only: which block goes is the tier's policy's call. Eviction runs
-in a background thread woken when a tier passes its high watermark, and
-works in batches until the tier is under its low watermark. A pass takes the
-store lock only to choose victims and to switch their state; the SSD writes
-of a demotion batch happen outside it, while the victims' DRAM extents are
-leased so their bytes stay put.
+in a background thread woken when a tier passes its high watermark (it
+sleeps otherwise), and works in batches until the tier is under its low
+watermark. A pass takes the store lock only to choose victims and to switch
+their state; the SSD writes of a demotion batch happen outside it, while the
+victims' DRAM extents are leased so their bytes stay put.
 
 ``evict_lock`` serialises passes (background and inline); it is taken before
 the store lock, never after.
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from kvstore.node.config import StoreConfig
 
 log = logging.getLogger(__name__)
+
+_RETRY_S = 0.1  # how often a pass that could not bring a tier under its high watermark is retried
 
 
 class Tiering:
@@ -67,7 +69,9 @@ class Tiering:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(0.1)
+            # Under the high watermark only a put or a promotion (each pokes) can take a tier over
+            # it: sleep until one does. Over it (its blocks pinned or leased), retry now and then.
+            self._wake.wait(_RETRY_S if self._over_high() else None)
             self._wake.clear()
             if self._stop.is_set():
                 return
