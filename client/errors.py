@@ -58,6 +58,12 @@ class CapacityError(KVStoreError):
     key not stored (PutFailed's shape): retry those."""
 
 
+class SameHostSpaceFull(CapacityError):
+    """A node's space for same-host writers (arena space reserved before the bytes are written)
+    is all held by other writers: send the block over the socket instead. The SDK does so
+    itself; a caller sees this only from the wire layer."""
+
+
 class LayoutMismatch(ConfigError):
     """Two KV cache layouts do not store a block's bytes in the same order (or a layout is one
     the vLLM connector cannot move), so blocks of one must not be read into the other."""

@@ -7,7 +7,10 @@ node records the writer's checksums without reading the bytes back (that
 read, of bytes another core just wrote, took 30-40% of a 64 MiB batch put),
 and every reader verifies them. Both replies carry a grant of the same sizes for the next put
 (REGRANT), for puts of at most ``GRANT_MAX_BYTES`` and 1/64 of the arena: a
-grant is DRAM set aside for as long as its connection lives.
+grant is DRAM set aside for as long as its connection lives. The node caps the
+space it sets aside for same-host writers; when other writers hold all of it,
+a RESERVE is refused (SAME_HOST_FULL) and those blocks go over the socket as a
+PUT, whose space lives only while its frame is read.
 
 Puts not waited for (``wait=False``) leave the STORE's or COMMIT's reply for
 later and keep ``GRANTS_AHEAD`` grants going (the others from RESERVEs with
@@ -71,8 +74,12 @@ class ArenaWrites(DataPlaneConnection):
         a grant of the same sizes (one STORE, with the checksums of the sources), else
         RESERVE, copy, COMMIT with those checksums (WRITTEN). Both ask for a grant of the
         same sizes for the next put (REGRANT). Without ``wait`` the STORE or COMMIT is not
-        waited for, and more grants are asked for, up to GRANTS_AHEAD."""
+        waited for, and more grants are asked for, up to GRANTS_AHEAD. Items refused because
+        other writers hold all the space the node sets aside for same-host writes
+        (SAME_HOST_FULL: it is capped, ``BlockStore.grant``) go over the socket as a PUT, whose
+        space lives only as long as its frame."""
         costs = {i: len(view) for i, (_, view, _) in ready.items()}
+        refused: dict[int, tuple] = {}  # the node had no same-host space left for these: sent instead
         for chunk in _split(list(ready), costs, self.max_frame_bytes, self.keys_per_frame):
             items = [ready[i] for i in chunk]
             sizes = [len(view) for _, view, _ in items]
@@ -84,7 +91,13 @@ class ArenaWrites(DataPlaneConnection):
             if not wait and self._regrant(sizes) and len(self._grants) + self._grants_coming < GRANTS_AHEAD:
                 self._ask_grant(items)
             for i, status in zip(chunk, statuses):
+                if status == Status.SAME_HOST_FULL:
+                    refused[i] = ready[i]
                 results[i] = None if status == Status.OK else error_for(status)
+        if refused:
+            for i in refused:
+                results[i] = None
+            super()._put(refused, results, wait)
 
     def _take_grant(self, sizes: list[int], wait: bool) -> tuple | None:
         """A grant of exactly ``sizes``, giving back the others; without ``wait``, reads the

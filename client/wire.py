@@ -28,6 +28,7 @@ from kvstore_client.errors import (
     ProtocolError,
     QuotaExceeded,
     RemoteError,
+    SameHostSpaceFull,
     ServiceUnavailable,
     TransportError,
     Unauthenticated,
@@ -102,6 +103,7 @@ class Status(IntEnum):
     UNAUTHENTICATED = 16  # frame: no valid token (a request before AUTH, or a wrong proof)
     PERMISSION_DENIED = 17  # item: another tenant's namespace; frame: an op the token may not use
     QUOTA_EXCEEDED = 18  # item: the tenant holds its quota of bytes
+    SAME_HOST_FULL = 19  # RESERVE item: the node's space for same-host writers is held: send it with PUT
 
 
 # Requests that carry keys: op -> the layout of their table entries (ns_len, dg_len first; the
@@ -134,12 +136,14 @@ _ERROR_CLASSES: dict[int, type[KVStoreError]] = {
     Status.UNAUTHENTICATED: Unauthenticated,
     Status.PERMISSION_DENIED: PermissionDenied,
     Status.QUOTA_EXCEEDED: QuotaExceeded,
+    Status.SAME_HOST_FULL: SameHostSpaceFull,
 }
 _STATUS_OF = [  # most specific first (the order matters for subclasses)
     (InvalidKey, Status.INVALID_KEY),
     (InvalidValue, Status.INVALID_VALUE),
     (UnknownNamespace, Status.UNKNOWN_NAMESPACE),
     (QuotaExceeded, Status.QUOTA_EXCEEDED),
+    (SameHostSpaceFull, Status.SAME_HOST_FULL),
     (CapacityError, Status.NO_CAPACITY),
     (PermissionDenied, Status.PERMISSION_DENIED),
     (Unauthenticated, Status.UNAUTHENTICATED),

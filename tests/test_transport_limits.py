@@ -21,7 +21,7 @@ import time
 import pytest
 import xxhash
 
-from kvstore_client.errors import CapacityError, ProtocolError, ServiceUnavailable, TransportError
+from kvstore_client.errors import ProtocolError, ServiceUnavailable, TransportError
 from kvstore_client.shm import ShmConnection
 from kvstore_client.transport import TcpConnection, UnixConnection
 from kvstore_client.wire import (
@@ -302,7 +302,8 @@ def test_shm_writes_over_tcp_raise_a_typed_error(node):
 def test_reservations_over_the_unix_socket_stay_under_the_cap(node):
     """One same-host client reserving and never committing holds at most the grant cap
     (1/8 of DRAM) plus one frame node-wide; a second gets nothing more; all of it is given
-    back with the connections, and same-host puts work throughout."""
+    back with the connections, and same-host puts work throughout (sent over the socket while
+    the cap is spent)."""
     held, socks = 0, [node.unix(), node.unix()]
     try:
         for n, sock in enumerate(socks):
@@ -311,17 +312,18 @@ def test_reservations_over_the_unix_socket_stay_under_the_cap(node):
                 _, status, _, body = read_reply(sock)
                 assert status == Status.OK
                 if body[8] != Status.OK:
-                    assert body[8] == Status.NO_CAPACITY
+                    assert body[8] == Status.SAME_HOST_FULL  # the space is held, not DRAM full
                     break
                 held += MAX_BLOCK
             else:
                 raise AssertionError("reservations never ran out")
         assert GRANT_CAP <= held <= GRANT_CAP + MAX_FRAME
-        with ShmConnection(node.unix_path) as conn:  # a same-host put now: stored, or refused typed
-            try:
-                conn.put(key("shm-while-capped"), b"s" * 4096)
-            except CapacityError:  # the grants' share and the allowance are spent
-                pass
+        with ShmConnection(node.unix_path) as conn:  # no same-host space left: puts go over the socket
+            conn.put(key("shm-while-capped"), b"s" * 4096)
+            assert conn.get(key("shm-while-capped")) == b"s" * 4096
+            batch = [(key(f"shm-batch-while-capped-{i}"), os.urandom(MiB)) for i in range(8)]
+            assert conn.put_many(batch) == [None] * len(batch)
+            assert conn.get_many([k for k, _ in batch]) == [v for _, v in batch]
         serves(node, "capped")
     finally:
         for sock in socks:
@@ -347,7 +349,7 @@ def test_a_reserve_frame_is_bounded_by_max_frame_bytes(node):
         assert status == Status.OK
         statuses = [body[8 + 9 * i] for i in range(count)]
         assert sum(s == Status.OK for s in statuses) * MAX_BLOCK <= MAX_FRAME
-        assert set(statuses) - {Status.OK} <= {Status.FRAME_TOO_LARGE, Status.NO_CAPACITY}
+        assert set(statuses) - {Status.OK} <= {Status.FRAME_TOO_LARGE, Status.SAME_HOST_FULL}
         assert statuses[-1] != Status.OK
         sock.sendall(reserve_frame(2, [MAX_BLOCK] * 16, flags=FLAG_REGRANT))  # grants: the store's cap alone
         body = read_reply(sock)[3]

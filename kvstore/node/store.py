@@ -34,7 +34,14 @@ from typing import Callable, Iterable, Iterator
 import xxhash
 
 from kvstore_client.buffers import byte_view
-from kvstore_client.errors import BufferTooSmall, CapacityError, ChecksumMismatch, InvalidValue, UnknownNamespace
+from kvstore_client.errors import (
+    BufferTooSmall,
+    CapacityError,
+    ChecksumMismatch,
+    InvalidValue,
+    SameHostSpaceFull,
+    UnknownNamespace,
+)
 from kvstore_client.keys import BlockKey, check_key
 from kvstore.node.block_table import DRAM, SSD, STORE_TIER_NAMES, BlockInfo, BlockMeta, StoreState
 from kvstore.node.config import StoreConfig
@@ -159,12 +166,13 @@ class BlockStore:
     def grant(self, size: int) -> Reservation:
         """Reserve DRAM for a block whose key is not known yet (a same-host writer's next
         put); ``bind`` it to a key before committing. Raises like ``reserve``, and
-        CapacityError when grants would hold more than 1/GRANT_SHARE of DRAM: each lives as
-        long as its writer's connection, idle or not, and they must not crowd blocks out."""
+        SameHostSpaceFull (a CapacityError) when grants would hold more than 1/GRANT_SHARE of
+        DRAM: each lives as long as its writer's connection, idle or not, and they must not
+        crowd blocks out."""
         self._check_size(size)
         with self._grant_lock:
             if self._granted + size > self._dram.capacity_bytes // GRANT_SHARE:
-                raise CapacityError(f"grants already hold {self._granted} bytes, 1/{GRANT_SHARE} of DRAM")
+                raise SameHostSpaceFull(f"grants already hold {self._granted} bytes, 1/{GRANT_SHARE} of DRAM")
             self._granted += size
         try:
             return Reservation(self._writes, None, self._reserve_extent(size), 0, granted=True)

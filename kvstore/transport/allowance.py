@@ -5,7 +5,8 @@ what does not fit there may use this allowance instead, one frame's worth
 (``max_frame_bytes``) for the whole node, so that a same-host put of a frame
 larger than what is left of the cap still goes through, and the space held
 for same-host writers between requests stays bounded: the grant cap plus one
-frame. See ops.op_reserve.
+frame. Past both, a RESERVE item is SAME_HOST_FULL and the writer sends the
+block with PUT instead. See ops.op_reserve.
 """
 
 from __future__ import annotations
