@@ -85,14 +85,26 @@ class Service:
         self.proc.stdout.close()
 
 
-def start_master(workdir: Path, extra: tuple = ()) -> Service:
+def _metrics_port(metrics: bool) -> str:
+    return "0" if metrics else "-1"  # 0: any free port; -1: no exporter
+
+
+def start_master(workdir: Path, extra: tuple = (), metrics: bool = False) -> Service:
     return Service(
-        ["master", "--port", "0", "--metrics-port", "-1", "--ttl", "30", *extra], Path(workdir) / "master.err"
+        ["master", "--port", "0", "--metrics-port", _metrics_port(metrics), "--ttl", "30", *extra],
+        Path(workdir) / "master.err",
     )
 
 
 def start_node(
-    master: str, workdir: Path, name: str, dram: str, ssd: str, max_block: str, extra: tuple = ()
+    master: str,
+    workdir: Path,
+    name: str,
+    dram: str,
+    ssd: str,
+    max_block: str,
+    extra: tuple = (),
+    metrics: bool = False,
 ) -> Service:
     data = Path(workdir) / name
     data.mkdir(parents=True, exist_ok=True)
@@ -104,7 +116,7 @@ def start_node(
             "--port",
             "0",
             "--metrics-port",
-            "-1",
+            _metrics_port(metrics),
             "--data-dir",
             str(data),
             "--dram",

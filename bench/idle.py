@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.cluster import Service
+from bench.cluster import start_master, start_node
 from bench.common import die_with_parent, emit, markdown_table
 
 BARE_GRPC_SERVER = """
@@ -62,27 +62,10 @@ def idle_rates(pids: dict[str, int], seconds: float) -> dict[str, dict]:
 
 
 def one_run(workdir: Path, seconds: float, settle: float) -> dict[str, dict]:
-    master = Service(["master", "--port", "0", "--metrics-port", "0"], workdir / "master.err")
+    master = start_master(workdir, metrics=True)
     node = baseline = None
     try:
-        node = Service(
-            [
-                "node",
-                "--master",
-                master.record["master"],
-                "--port",
-                "0",
-                "--metrics-port",
-                "0",
-                "--data-dir",
-                str(workdir / "node"),
-                "--dram",
-                "64MiB",
-                "--ssd",
-                "64MiB",
-            ],
-            workdir / "node.err",
-        )
+        node = start_node(master.record["master"], workdir, "node", "64MiB", "64MiB", "16MiB", metrics=True)
         baseline = subprocess.Popen(
             [sys.executable, "-c", BARE_GRPC_SERVER],
             stdin=subprocess.PIPE,

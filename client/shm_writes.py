@@ -93,10 +93,9 @@ class ArenaWrites(DataPlaneConnection):
             for i, status in zip(chunk, statuses):
                 if status == Status.SAME_HOST_FULL:
                     refused[i] = ready[i]
-                results[i] = None if status == Status.OK else error_for(status)
+                else:
+                    results[i] = None if status == Status.OK else error_for(status)
         if refused:
-            for i in refused:
-                results[i] = None
             super()._put(refused, results, wait)
 
     def _take_grant(self, sizes: list[int], wait: bool) -> tuple | None:
