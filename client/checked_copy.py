@@ -24,21 +24,22 @@ from __future__ import annotations
 import xxhash
 
 from kvstore_client.cuda import DeviceView
+from kvstore_client.slices import SliceTable, ValueHasher, value_checksum
 
 CHUNK = 1 << 20  # bytes hashed, then copied, at a time: one core's L2 cache here
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_Hasher = xxhash.xxh3_64
 
 
 def copy_with_checksum(dst: memoryview, src: memoryview) -> int:
-    """Copy ``src`` into ``dst`` (the same length) and return the XXH3-64 of ``src``."""
+    """Copy ``src`` into ``dst`` (the same length) and return the checksum of ``src``'s bytes
+    (``kvstore_client.slices.value_checksum``)."""
     size = len(src)
     if size <= CHUNK:
-        checksum = _xxh3(src)
+        checksum = value_checksum(src)
         dst[:] = src
         return checksum
-    hasher = _Hasher()
+    hasher = ValueHasher(size)
     for start in range(0, size, CHUNK):
         part = src[start : start + CHUNK]
         hasher.update(part)
@@ -59,4 +60,27 @@ def copy_verified(dst: memoryview | DeviceView, src: memoryview, checksum: int, 
     return True
 
 
-__all__ = ["CHUNK", "copy_verified", "copy_with_checksum"]
+def copy_slices_verified(
+    dst: memoryview | DeviceView, value: memoryview, table: SliceTable, first: int, count: int, verify: bool
+) -> bool:
+    """Copy slices ``first .. first + count - 1`` of the sliced value ``value`` (whose header
+    the caller checked: ``table``) back to back into ``dst`` (exactly their size), each
+    hashed just before it is copied: whether every one matches its checksum. Only the
+    slices copied are hashed."""
+    checksums = table.checksums
+    at = 0
+    for i in range(first, first + count):
+        offset, length = table.offsets[i], table.lengths[i]
+        src = value[offset : offset + length]
+        if isinstance(dst, DeviceView):
+            if not dst[at : at + length].fill_from_host(src, checksums[i], verify):
+                return False
+        else:
+            if verify and _xxh3(src) != checksums[i]:
+                return False
+            dst[at : at + length] = src
+        at += length
+    return True
+
+
+__all__ = ["CHUNK", "copy_slices_verified", "copy_verified", "copy_with_checksum"]

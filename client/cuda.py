@@ -41,17 +41,16 @@ import threading
 import warnings
 from typing import final
 
-import xxhash
-
 from kvstore_client import arenamap
 from kvstore_client.errors import DeviceUnavailable, InvalidValue
+from kvstore_client.slices import value_checksum
 
 log = logging.getLogger(__name__)
 CHUNK = 4 << 20  # bytes per staging buffer: one copy each
 STAGING_BUFFERS = 8  # staging buffers per device at most (pinned host memory: CHUNK each)
 DEPTH = 3  # staging buffers one transfer uses in turn: one on the socket, the others copying
 
-_xxh3 = xxhash.xxh3_64_intdigest
+_checksum = value_checksum
 
 
 def _torch():
@@ -139,7 +138,7 @@ class DeviceView:
         stream = torch.cuda.current_stream(self.flat.device)
         self.tensor().copy_(host, non_blocking=True)
         done = _record(torch, stream)
-        intact = not verify or _xxh3(src) == checksum  # while the copy engine reads the same bytes
+        intact = not verify or _checksum(src) == checksum  # while the copy engine reads the same bytes
         done.synchronize()
         return intact
 

@@ -44,9 +44,10 @@ import time
 import xxhash
 
 from kvstore_client.buffers import receivable_bytes
-from kvstore_client.checked_copy import copy_verified
+from kvstore_client.checked_copy import copy_slices_verified, copy_verified
 from kvstore_client.cuda import DeviceView
 from kvstore_client.keys import BlockKey
+from kvstore_client.slices import table_of
 from kvstore_client.wire import key_entry
 
 MAGIC = b"KVSDIR01"
@@ -167,6 +168,24 @@ class OneSidedReads:
             return None
         size = found[3]
         return size if self._copied(found, view if size == len(view) else view[:size]) else None
+
+    def read_range_into(self, key: BlockKey, first: int, count: int, view: memoryview | DeviceView) -> int | None:
+        """Copy slices ``first .. first + count - 1`` of a sliced value into ``view``, each
+        checked (``kvstore_client.slices``): their size, or None (as ``read_into``; a value
+        that is not sliced, or not long enough, is None too: the node tells which)."""
+        found = self._find(key)
+        if found is None:
+            return None
+        value = self._arena[found[2] : found[2] + found[3]]
+        table = table_of(value, found[4])
+        if table is None or first + count > table.count:
+            return None
+        offset, size = table.span(first, count)
+        if size > len(view):
+            return None
+        out = view if size == len(view) else view[:size]
+        copied = copy_slices_verified(out, value, table, first, count, self.verify)
+        return size if copied and self.directory.unchanged(found[0], found[1]) else None
 
     def read(self, key: BlockKey) -> bytes | None:
         """The block's bytes, or None."""

@@ -43,8 +43,6 @@ import time
 from typing import Sequence
 from functools import partial
 
-import xxhash
-
 from kvstore_client.arenamap import map_arena, unmap_arena
 from kvstore_client.buffers import buffer_view
 from kvstore_client.checked_copy import copy_verified
@@ -54,14 +52,24 @@ from kvstore_client.directory import ONE_SIDED_READS, DirectoryReader, OneSidedR
 from kvstore_client.errors import (
     BufferTooSmall,
     ChecksumMismatch,
+    InvalidValue,
     KVStoreError,
     ProtocolError,
     TransportError,
 )
 from kvstore_client.hostid import machine_id
 from kvstore_client.shm_writes import ArenaWrites
+from kvstore_client.slices import value_checksum
 from kvstore_client.keys import BlockKey, check_key
-from kvstore_client.transport import DEFAULT_TUNING, DataPlaneConnection, Tuning, _connect, _raise_first, _split
+from kvstore_client.transport import (
+    DEFAULT_TUNING,
+    DataPlaneConnection,
+    Tuning,
+    _connect,
+    _raise_first,
+    _range,
+    _split,
+)
 from kvstore_client.wire import (
     FLAG_HOLD,
     FLAG_NO_REPLY,
@@ -77,7 +85,7 @@ log = logging.getLogger(__name__)
 TOUCH_BATCH = 64  # one-sided reads reported to the node in one TOUCH frame
 TOUCH_DELAY = 0.25  # seconds a one-sided read waits, at most, to be reported (checked on the next read)
 
-_checksum = xxhash.xxh3_64_intdigest
+_checksum = value_checksum
 _LEASE, _OK, _NOT_FOUND = int(Op.LEASE), int(Status.OK), int(Status.NOT_FOUND)
 _NOT_IN_DRAM, _FRAME_TOO_LARGE = int(Status.NOT_IN_DRAM), int(Status.FRAME_TOO_LARGE)
 _unpack_id = U64.unpack_from
@@ -236,6 +244,35 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         if rest:
             more, failed = super()._read_views(
                 [keys[j] for j in rest], None if views is None else [views[j] for j in rest]
+            )
+            for j, got in zip(rest, more):
+                results[j] = got
+            errors = {rest[i]: error for i, error in failed.items()}
+        return results, errors
+
+    def read_ranges(self, keys, ranges, buffers) -> tuple[list, dict[int, KVStoreError]]:
+        """``DataPlaneConnection.read_ranges``: one-sided reads through the block directory
+        first (the value's header checked once, each slice copied and checked); what they
+        did not serve is asked for over the socket (GET_RANGES)."""
+        if self._direct is None:
+            return super().read_ranges(keys, ranges, buffers)
+        keys = [check_key(k) for k in keys]
+        views = [buffer_view(b, writable=True) for b in buffers]
+        ranges = [_range(r) for r in ranges]
+        if not len(keys) == len(views) == len(ranges):
+            raise InvalidValue(f"{len(keys)} keys, {len(ranges)} ranges and {len(views)} buffers")
+        if self._unacked:  # read this connection's own puts
+            self.settle()
+        direct = self._direct
+        results = [direct.read_range_into(k, first, count, v) for k, (first, count), v in zip(keys, ranges, views)]
+        for key, got in zip(keys, results):
+            if got is not None:
+                self._hit(key)
+        rest = [j for j, got in enumerate(results) if got is None]
+        errors: dict[int, KVStoreError] = {}
+        if rest:
+            more, failed = super().read_ranges(
+                [keys[j] for j in rest], [ranges[j] for j in rest], [views[j] for j in rest]
             )
             for j, got in zip(rest, more):
                 results[j] = got

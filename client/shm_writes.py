@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import struct
 
-import xxhash
-
 from kvstore_client.cuda import DeviceView, copy_to_host
 from kvstore_client.errors import ProtocolError
+from kvstore_client.slices import value_checksum
 from kvstore_client.transport import DataPlaneConnection, _split
 from kvstore_client.wire import (
     FLAG_ABORT,
@@ -51,7 +50,7 @@ GRANT_MAX_BYTES = 4 << 20  # puts up to this size (and 1/64 of the arena) keep a
 # 10 microseconds a put for the grant the put before last brings back; three were 8-10% faster.
 GRANTS_AHEAD = 3
 
-_checksum = xxhash.xxh3_64_intdigest
+_checksum = value_checksum
 
 
 def _reserve_table(items: list[tuple]) -> bytes:

@@ -46,8 +46,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-import xxhash
-
 from kvstore_client.auth import DataKey, Handshake
 from kvstore_client.credentials import NO_CREDENTIALS, Credentials
 from kvstore_client.buffers import buffer_view, newly_allocated, receivable_bytes
@@ -62,6 +60,7 @@ from kvstore_client.errors import (
     TransportError,
 )
 from kvstore_client.keys import MAX_DIGEST_LEN, MAX_NAMESPACE_LEN, BlockKey, check_key
+from kvstore_client.slices import SliceHasher, ValueHasher, unpack_preamble, value_checksum
 from kvstore_client.wire import (
     FLAG_CHECKSUMS_LAST,
     FLAG_NO_REPLY,
@@ -71,6 +70,7 @@ from kvstore_client.wire import (
     MAGIC,
     PIECEWISE_FROM,
     PUT_ENTRY,
+    RANGE_ITEM,
     U64,
     VERSION,
     FrameReader,
@@ -81,13 +81,13 @@ from kvstore_client.wire import (
     pack_header,
     pull_entry,
     put_entry,
+    range_entry,
     reply_spin,
     send_buffers,
     unpack_header,
 )
 
-_checksum = xxhash.xxh3_64_intdigest
-_Hasher = xxhash.xxh3_64
+_checksum = value_checksum
 _pack_header = HEADER.pack
 _pack_release1 = struct.Struct(HEADER.format + "Q").pack  # a RELEASE frame of one lease id
 WINDOW = 2  # frames in flight: the next is sent while the node answers the previous
@@ -186,6 +186,18 @@ def _found(statuses: list[int]) -> list[bool]:
     """Per item, OK (True) or NOT_FOUND (False); any other status raises, the first one's error."""
     _raise_first({i: error_for(s) for i, s in enumerate(statuses) if s not in (Status.OK, Status.NOT_FOUND)})
     return [s == Status.OK for s in statuses]
+
+
+def _range(r) -> tuple[int, int]:
+    """A range of slices as (first, count), from a pair or a ``range`` of step 1."""
+    if isinstance(r, range) and r.step == 1:
+        r = (r.start, len(r))
+    if not (isinstance(r, tuple) and len(r) == 2 and all(type(x) is int for x in r)):
+        raise InvalidValue(f"a range of slices is (first, count) or a range of step 1, not {r!r}")
+    first, count = r
+    if not (0 <= first < 1 << 32 and 0 < count < 1 << 32):
+        raise InvalidValue(f"slices {first}..{first + count - 1} cannot be in a value")
+    return first, count
 
 
 def _put_item(item) -> tuple[BlockKey, memoryview | DeviceView, int]:
@@ -475,6 +487,86 @@ class DataPlaneConnection:
         self._read_checked(keys, list(range(len(keys))), [0] * len(keys), target, errors, landed)
         return [out.get(j) for j in range(len(keys))], errors
 
+    def read_ranges(self, keys, ranges, buffers) -> tuple[list, dict[int, KVStoreError]]:
+        """Slices of sliced values (``kvstore_client.slices``): for each j, slices
+        ``ranges[j] = (first, count)`` of ``keys[j]``'s value, back to back, into ``buffers[j]``;
+        (sizes, None for a miss; {index: error}). Each slice is checked against its own
+        checksum as it lands; one that arrived damaged is asked about (VERIFY) as a GET's
+        block is: dropped at the node (a miss) or read once more. A value that is not sliced,
+        or has fewer slices, is an InvalidValue for its index. A key may come more than once."""
+        keys = [check_key(k) for k in keys]
+        views = [buffer_view(b, writable=True) for b in buffers]
+        ranges = [_range(r) for r in ranges]
+        if not len(keys) == len(views) == len(ranges):
+            raise InvalidValue(f"{len(keys)} keys, {len(ranges)} ranges and {len(views)} buffers")
+        results: list = [None] * len(keys)
+        errors: dict[int, KVStoreError] = {}
+        self._read_ranges(keys, ranges, views, list(range(len(keys))), results, errors)
+        damaged = [j for j, error in errors.items() if isinstance(error, ChecksumMismatch)]
+        if damaged:
+            statuses = self._item_statuses(Op.VERIFY, [keys[j] for j in damaged])
+            again = [j for j, status in zip(damaged, statuses) if status == Status.OK]
+            for j in damaged:
+                del errors[j]
+            self._read_ranges(keys, ranges, views, again, results, errors)
+        for j in errors:
+            results[j] = None
+        return results, errors
+
+    def _read_ranges(self, keys: list, ranges: list, views: list, todo: list[int], results: list, errors: dict):
+        budget = self.max_frame_bytes - self.keys_per_frame * RANGE_ITEM.size
+        costs = [len(view) + 12 * count for view, (_, count) in zip(views, ranges)]
+        reader = self._reader
+        while todo:
+            deferred: list[int] = []
+
+            def send(chunk: list[int]) -> int:
+                table = b"".join([range_entry(keys[j], *ranges[j]) for j in chunk])
+                return self._send(Op.GET_RANGES, len(chunk), table)
+
+            def receive(chunk: list[int], request_id: int) -> None:
+                body_len = self._reply(Op.GET_RANGES, request_id, len(chunk))
+                items = list(RANGE_ITEM.iter_unpack(reader.read(len(chunk) * RANGE_ITEM.size)))
+                body = len(chunk) * RANGE_ITEM.size
+                body += sum(size + 12 * ranges[j][1] for j, (st, size) in zip(chunk, items) if st == Status.OK)
+                if body_len != body:
+                    raise ProtocolError("GET_RANGES reply body_len does not match its table")
+                for j, (status, size) in zip(chunk, items):
+                    if status == Status.OK:
+                        self._receive_range(j, size, ranges[j][1], views[j], results, errors)
+                    elif status == Status.FRAME_TOO_LARGE:
+                        deferred.append(j)
+                    elif status != Status.NOT_FOUND:
+                        errors[j] = error_for(status)
+                if deferred and deferred[0] == chunk[0]:
+                    raise ProtocolError("GET_RANGES reply deferred the first item of its request")
+
+            self._pipeline(_split(todo, costs, budget, self.keys_per_frame), send, receive)
+            todo = deferred
+
+    def _receive_range(self, j: int, size: int, count: int, view, results: list, errors: dict) -> None:
+        """One range of a GET_RANGES reply: its slices' checksums and lengths, then its bytes,
+        straight into ``view``, each slice hashed as it lands."""
+        reader = self._reader
+        checksums, lengths = unpack_preamble(reader.read(12 * count), count)
+        if sum(lengths) != size:
+            raise ProtocolError("GET_RANGES slice lengths do not add up to the range")
+        if size > len(view):
+            reader.skip(size)
+            errors[j] = BufferTooSmall(f"range {j} is {size} bytes, buffer holds {len(view)}", size)
+            return
+        hasher = SliceHasher(lengths) if self.verify else None
+        out = view if size == len(view) else view[:size]
+        if type(out) is DeviceView:
+            out.receive(reader, hasher)
+        else:
+            reader.readinto(out, hasher)
+        if hasher is not None and tuple(hasher.digests()) != checksums:
+            errors[j] = ChecksumMismatch(f"range {j} arrived damaged (a slice's checksum does not match)")
+            return
+        results[j] = size
+        errors.pop(j, None)
+
     def get_with(self, keys, place, landed=None) -> dict[int, KVStoreError]:
         """GET each block of ``keys`` straight into ``place(j, size)``, a writable view of
         exactly ``size`` bytes chosen once the block's size is known (None: drop the block;
@@ -579,7 +671,7 @@ class DataPlaneConnection:
     def _receive_hashed(self, out: memoryview | DeviceView) -> int | None:
         """Receive ``out``'s bytes, hashed as they land when verifying: their XXH3-64, or None.
         Into device memory (a DeviceView) they land in pinned staging first (kvstore_client.cuda)."""
-        hasher = _Hasher() if self.verify else None
+        hasher = ValueHasher(len(out)) if self.verify else None
         if type(out) is DeviceView:
             out.receive(self._reader, hasher)
         else:
@@ -695,7 +787,7 @@ class DataPlaneConnection:
         checksums = []
         for view in views:
             if type(view) is DeviceView:
-                hasher = _Hasher()
+                hasher = ValueHasher(len(view))
                 send_from(self._sock, view, hasher)
                 checksums.append(hasher.intdigest())
             else:

@@ -28,6 +28,7 @@ from kvstore_client.errors import (
     ProtocolError,
     QuotaExceeded,
     RemoteError,
+    ReservationError,
     SameHostSpaceFull,
     ServiceUnavailable,
     TransportError,
@@ -52,6 +53,8 @@ GET_ITEM = struct.Struct("<BQQ")  # reply: status, size, checksum
 LEASE_ITEM = struct.Struct("<BQQQ")  # reply: status, offset, size, checksum
 RESERVED_ITEM = struct.Struct("<BQ")  # reply: status, offset
 PULL_ENTRY = struct.Struct("<BBI")  # ns_len, dg_len, depth; then ns, digest
+RANGE_ENTRY = struct.Struct("<BBII")  # ns_len, dg_len, first slice, slices; then ns, digest
+RANGE_ITEM = struct.Struct("<BQ")  # reply: status, bytes of the range (after its slices' checksums)
 U64 = struct.Struct("<Q")
 
 # Header flags.
@@ -81,6 +84,7 @@ class Op(IntEnum):
     STORE = 13
     VERIFY = 14
     AUTH = 15  # the first frames of a connection to a node with an access file (kvstore_client.auth)
+    GET_RANGES = 16  # slices of sliced values (kvstore_client.slices), each checked on its own
 
 
 class Status(IntEnum):
@@ -104,6 +108,7 @@ class Status(IntEnum):
     PERMISSION_DENIED = 17  # item: another tenant's namespace; frame: an op the token may not use
     QUOTA_EXCEEDED = 18  # item: the tenant holds its quota of bytes
     SAME_HOST_FULL = 19  # RESERVE item: the node's space for same-host writers is held: send it with PUT
+    EXPIRED = 20  # COMMIT item: its reservation outlived the node's write_ttl and was revoked
 
 
 # Requests that carry keys: op -> the layout of their table entries (ns_len, dg_len first; the
@@ -120,6 +125,7 @@ KEYED_OPS: dict[int, struct.Struct] = {
     Op.PULL: PULL_ENTRY,
     Op.STORE: PUT_ENTRY,
     Op.VERIFY: KEY_HEAD,
+    Op.GET_RANGES: RANGE_ENTRY,
 }
 KEYLESS_OPS = frozenset({Op.PING, Op.INFO, Op.RELEASE, Op.COMMIT, Op.AUTH})
 
@@ -137,6 +143,7 @@ _ERROR_CLASSES: dict[int, type[KVStoreError]] = {
     Status.PERMISSION_DENIED: PermissionDenied,
     Status.QUOTA_EXCEEDED: QuotaExceeded,
     Status.SAME_HOST_FULL: SameHostSpaceFull,
+    Status.EXPIRED: ReservationError,
 }
 _STATUS_OF = [  # most specific first (the order matters for subclasses)
     (InvalidKey, Status.INVALID_KEY),
@@ -148,6 +155,7 @@ _STATUS_OF = [  # most specific first (the order matters for subclasses)
     (PermissionDenied, Status.PERMISSION_DENIED),
     (Unauthenticated, Status.UNAUTHENTICATED),
     (ChecksumMismatch, Status.CHECKSUM_MISMATCH),
+    (ReservationError, Status.EXPIRED),
 ]
 
 
@@ -214,6 +222,12 @@ def put_entry(key: BlockKey, depth: int, size: int, checksum: int) -> bytes:
     ns, digest = key
     nsb = _ns_bytes(ns)
     return PUT_ENTRY.pack(len(nsb), len(digest), depth, size, checksum) + nsb + digest
+
+
+def range_entry(key: BlockKey, first: int, count: int) -> bytes:
+    ns, digest = key
+    nsb = _ns_bytes(ns)
+    return RANGE_ENTRY.pack(len(nsb), len(digest), first, count) + nsb + digest
 
 
 def pull_entry(key: BlockKey, depth: int) -> bytes:

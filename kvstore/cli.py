@@ -255,6 +255,15 @@ def connection_options(f):
             "A same-host connection holding leases taken with HOLD waits on between requests.",
         ),
         click.option(
+            "--write-ttl",
+            type=click.FloatRange(min=0),
+            default=defaults.write_ttl,
+            show_default=True,
+            help="Seconds a writer may hold reserved arena space before publishing it (a sliced value "
+            "written layer by layer holds it for one model step); older space is revoked and its "
+            "COMMIT answered EXPIRED (0: never).",
+        ),
+        click.option(
             "--max-table",
             type=POSITIVE_SIZE,
             default=format_size(defaults.max_table_bytes),
@@ -461,8 +470,9 @@ def build_store_config(data_dir, dram, ssd, max_block, policy, limits=None):
 
     limits = dict(limits or {})
     tuning = {name: limits.pop(name) for name in TUNING_OPTIONS if name in limits}
-    if limits.get("idle_timeout") == 0:
-        limits["idle_timeout"] = None  # 0 on the command line: never
+    for name in ("idle_timeout", "write_ttl"):
+        if limits.get(name) == 0:
+            limits[name] = None  # 0 on the command line: never
     if "max_table" in limits:
         limits["max_table_bytes"] = limits.pop("max_table")
     return StoreConfig(

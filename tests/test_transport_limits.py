@@ -413,6 +413,8 @@ def test_malformed_keys_are_item_statuses_never_a_traceback(node, op, transport)
             assert (r_op, count) == (op, n)
             if op == Op.GET:
                 statuses = [reply[17 * i] for i in range(n)]
+            elif op == Op.GET_RANGES:
+                statuses = [reply[9 * i] for i in range(n)]
             elif op == Op.LEASE:
                 statuses = [reply[8 + 25 * i] for i in range(n)]
             elif op == Op.RESERVE:

@@ -31,8 +31,6 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-import xxhash
-
 from kvstore_client.buffers import byte_view
 from kvstore_client.errors import (
     BufferTooSmall,
@@ -43,6 +41,7 @@ from kvstore_client.errors import (
     UnknownNamespace,
 )
 from kvstore_client.keys import BlockKey, check_key
+from kvstore_client.slices import value_checksum
 from kvstore.node.block_table import DRAM, SSD, STORE_TIER_NAMES, BlockInfo, BlockMeta, StoreState
 from kvstore.node.config import StoreConfig
 from kvstore.node.reservation import Reservation, ReservationOwner
@@ -50,7 +49,7 @@ from kvstore.node.tiering import Tiering
 from kvstore.policy import make_policy
 from kvstore.tiers.dram import DramTier, DramView, Extent
 
-_checksum = xxhash.xxh3_64_intdigest
+_checksum = value_checksum
 GRANT_SHARE = 8  # grants (space set aside for same-host writers' next puts) hold at most 1/8 of DRAM
 
 # A listener gets (event, key, tier name) for "stored", "moved" and "removed";

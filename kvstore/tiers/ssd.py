@@ -25,10 +25,10 @@ import threading
 from typing import Iterator
 
 import lmdb
-import xxhash
 
 from kvstore_client.errors import BufferTooSmall, CapacityError, ConfigError, InvalidKey, InvalidValue
 from kvstore_client.keys import BlockKey
+from kvstore_client.slices import value_checksum
 from kvstore.sharded import ShardedDict
 from kvstore.tiers.private import FILE_MODE, private_dir, tighten
 
@@ -317,7 +317,7 @@ class SsdTier:
             if size > len(dst):
                 raise BufferTooSmall(f"block is {size} bytes, buffer holds {len(dst)}", size)
             dst[:size] = value[HEADER.size :]
-            if xxhash.xxh3_64_intdigest(dst[:size]) == checksum:
+            if value_checksum(dst[:size]) == checksum:
                 return size, checksum
             dst[:size] = bytes(size)  # leave no damaged bytes behind in the caller's buffer
             return None
@@ -329,7 +329,7 @@ class SsdTier:
 
         def copy(value: memoryview, size: int, checksum: int) -> bytes | None:
             data = bytes(value[HEADER.size :])
-            return data if xxhash.xxh3_64_intdigest(data) == checksum else None
+            return data if value_checksum(data) == checksum else None
 
         return self._read(key, copy)
 

@@ -49,6 +49,7 @@ from kvstore.security.access import ANYONE, TENANT, Principal
 from kvstore.transport.leases import LeaseTable
 from kvstore.transport.limits import NODE_OPS, SAME_HOST_OPS, same_host, set_idle_timeout
 from kvstore.transport.ops import OPS, end_group
+from kvstore.transport.reservations import ReservationTable
 
 if TYPE_CHECKING:
     from kvstore.transport.server import DataPlaneServer
@@ -84,7 +85,7 @@ class Connection:
         self.max_table_bytes = server.limits.max_table_bytes
         self.same_host = same_host(sock)
         self.leases = LeaseTable()  # also expired by the server's housekeeping thread
-        self.reservations: dict[int, list] = {}  # reservation id -> [(Reservation | None, status)]
+        self.reservations = ReservationTable()  # also expired by the server's housekeeping thread
         self._next_id = 0
         # Who the client is: ANYONE on a node without an access file, else None until AUTH succeeds.
         self.principal: Principal | None = ANYONE if server.access is None else None
@@ -253,8 +254,7 @@ class Connection:
     def close(self) -> None:
         """Release every lease, revoke every open reservation, close the socket (idempotent)."""
         self.leases.release_all()
-        reservations, self.reservations = self.reservations, {}
-        for group in reservations.values():
+        for group in self.reservations.drain():
             try:
                 end_group(self, group)
             except Exception:  # store already closed: nothing to give back

@@ -46,11 +46,14 @@ class ConnectionLimits:
     closes it, releasing what it holds (None: never); a same-host connection that holds
     leases taken with HOLD is exempt between frames (its reader keeps zero-copy views).
     ``max_table_bytes``: the largest item table a request may carry (FRAME_TOO_LARGE past it).
+    ``write_ttl``: seconds a RESERVE's space may stay unpublished before the node revokes it
+    (a writer filling sliced values layer by layer holds it for one model step; None: never).
     """
 
     max_connections: int = 1024
     idle_timeout: float | None = 300.0
     max_table_bytes: int | str = 4 * MiB
+    write_ttl: float | None = 120.0
 
     def __post_init__(self) -> None:
         self.max_table_bytes = parse_size(self.max_table_bytes)
@@ -58,6 +61,8 @@ class ConnectionLimits:
             raise ConfigError(f"max_connections must be at least 1, got {self.max_connections}")
         if self.idle_timeout is not None and not self.idle_timeout > 0:
             raise ConfigError(f"idle_timeout must be positive seconds or None, got {self.idle_timeout!r}")
+        if self.write_ttl is not None and not self.write_ttl > 0:
+            raise ConfigError(f"write_ttl must be positive seconds or None, got {self.write_ttl!r}")
         if self.max_table_bytes < 4096:
             raise ConfigError(f"max_table_bytes must be at least 4 KiB, got {self.max_table_bytes}")
 

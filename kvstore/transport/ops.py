@@ -25,9 +25,8 @@ import json
 import struct
 from typing import TYPE_CHECKING
 
-import xxhash
-
 from kvstore_client.errors import CapacityError, KVStoreError, ProtocolError
+from kvstore_client.slices import ValueHasher, parse_header, range_preamble, table_of, value_checksum
 from kvstore_client.wire import (
     FLAG_ABORT,
     FLAG_CHECKSUMS_LAST,
@@ -40,6 +39,8 @@ from kvstore_client.wire import (
     LEASE_ITEM,
     PULL_ENTRY,
     PUT_ENTRY,
+    RANGE_ENTRY,
+    RANGE_ITEM,
     RESERVE_ENTRY,
     RESERVED_ITEM,
     U64,
@@ -51,13 +52,13 @@ from kvstore_client.wire import (
 
 from kvstore.transport.auth import op_auth
 from kvstore.transport.leases import release_groups
+from kvstore.transport.reservations import EXPIRED
 
 if TYPE_CHECKING:
     from kvstore.transport.connection import Connection, Frame
 
 OK, NOT_FOUND = Status.OK, Status.NOT_FOUND
-_checksum = xxhash.xxh3_64_intdigest
-_Hasher = xxhash.xxh3_64
+_checksum = value_checksum
 
 
 def _bad(message: str) -> ProtocolError:
@@ -126,6 +127,56 @@ def op_get(conn: "Connection", frame: "Frame") -> None:
     finally:
         for lease in leases:
             lease.release()
+
+
+def op_get_ranges(conn: "Connection", frame: "Frame") -> None:
+    """Slices of sliced values (``kvstore_client.slices``): a reply table of (status, bytes of
+    the range), then for each hit its slices' checksums and lengths and the range's bytes,
+    from the arena. Only each value's header is hashed here, against the value's checksum;
+    the reader checks each slice. A value that is not sliced, or has fewer slices, is
+    INVALID_VALUE; items past the reply budget FRAME_TOO_LARGE, as in GET."""
+    entries = conn.read_table(frame, RANGE_ENTRY)
+    store = conn.store
+    table = bytearray(frame.count * RANGE_ITEM.size)
+    parts, leases = [table], []
+    budget = conn.max_frame_bytes - len(table)
+    try:
+        for i, (key, (_, _, first, count)) in enumerate(entries):
+            status, lease = _lease(store, key)
+            size, sliced = 0, None
+            if lease is not None:
+                leases.append(lease)
+                source = lease.view
+                sliced = table_of(source, lease.checksum)
+                if sliced is None:
+                    status = _not_sliced(store, key)
+            elif status == Status.NOT_IN_DRAM:  # on SSD and DRAM too full to promote: read it whole
+                data = store.get(key)
+                source = memoryview(data) if data is not None else None
+                sliced = None if data is None else parse_header(source)
+                status = NOT_FOUND if data is None else (OK if sliced is not None else Status.INVALID_VALUE)
+            if sliced is not None:
+                if not (count and first + count <= sliced.count):
+                    status = Status.INVALID_VALUE
+                else:
+                    offset, size = sliced.span(first, count)
+                    cost = size + 12 * count
+                    if cost > budget and len(parts) > 1:
+                        status, size = Status.FRAME_TOO_LARGE, 0
+                    else:
+                        parts += (range_preamble(sliced, first, count), source[offset : offset + size])
+                        budget -= cost
+            RANGE_ITEM.pack_into(table, i * RANGE_ITEM.size, status, size)
+        conn.reply(frame, frame.count, *parts)
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+def _not_sliced(store, key) -> int:
+    """The status of a stored value whose header does not say it is sliced: INVALID_VALUE when
+    it is intact (a plain value), NOT_FOUND when it is damaged (checked whole, and dropped)."""
+    return Status.INVALID_VALUE if store.check(key) else NOT_FOUND
 
 
 def op_lease(conn: "Connection", frame: "Frame") -> None:
@@ -261,7 +312,7 @@ def _receive_block(conn: "Connection", key, depth: int, size: int):
     except KVStoreError as exc:
         conn.reader.skip(size)
         return status_of(exc)
-    hasher = _Hasher()
+    hasher = ValueHasher(size)
     try:
         conn.reader.readinto(res.buffer, hasher)
     except BaseException:
@@ -358,7 +409,7 @@ def _reserved_table(conn: "Connection", wanted: list[tuple]) -> bytearray:
     except BaseException:
         end_group(conn, group)
         raise
-    U64.pack_into(table, 0, _register(conn, group))
+    U64.pack_into(table, 0, _register(conn, group, grant=all(item[2] is None for item in group)))
     return table
 
 
@@ -388,6 +439,10 @@ def op_commit(conn: "Connection", frame: "Frame") -> None:
         raise _bad(f"COMMIT of {frame.count} items needs {U64.size * (frame.count + 1)} body bytes")
     reservation_id, *checksums = struct.unpack(f"<{frame.count + 1}Q", conn.reader.read(frame.body_len))
     group = _take_group(conn, reservation_id, frame.count)
+    if group is EXPIRED:  # revoked by the housekeeping thread: its writer was too slow
+        if not (frame.flags & FLAG_NO_REPLY and frame.flags & FLAG_ABORT):
+            conn.reply(frame, frame.count, bytes([Status.EXPIRED]) * frame.count)
+        return
     out = bytearray(frame.count)
     try:
         for i, (res, status, binding, _) in enumerate(group):
@@ -419,6 +474,8 @@ def op_store(conn: "Connection", frame: "Frame") -> None:
     grant_id = U64.unpack(conn.reader.read(U64.size))[0]
     entries = conn.read_table(frame, PUT_ENTRY, consumed=U64.size)
     group = _take_group(conn, grant_id, frame.count)
+    if group is EXPIRED:  # grants never expire, but a RESERVE's id may be sent here
+        raise _bad(f"STORE of reservation {grant_id}, which was a RESERVE's, not a grant")
     out = bytearray(frame.count)
     try:
         for i, ((res, status, _, _), (key, (_, _, depth, size, checksum))) in enumerate(zip(group, entries)):
@@ -441,11 +498,14 @@ def op_store(conn: "Connection", frame: "Frame") -> None:
     _reply_statuses(conn, frame, out, [entry[1][3] for entry in entries])
 
 
-def _take_group(conn: "Connection", group_id: int, count: int) -> list:
-    """The reservation group (RESERVE or grant) ``group_id`` of this connection, for ``count`` items."""
-    group = conn.reservations.pop(group_id, None)
+def _take_group(conn: "Connection", group_id: int, count: int):
+    """The reservation group (RESERVE or grant) ``group_id`` of this connection, for ``count``
+    items; EXPIRED for a keyed group the housekeeping thread revoked (it outlived write_ttl)."""
+    group = conn.reservations.pop(group_id)
     if group is None:
         raise ProtocolError(f"unknown reservation id {group_id}", Status.UNKNOWN_LEASE)
+    if group is EXPIRED:
+        return group
     if len(group) != count:
         end_group(conn, group)
         raise _bad(f"{count} items for a reservation of {len(group)}")
@@ -461,12 +521,13 @@ def _reply_statuses(conn: "Connection", frame: "Frame", statuses: bytearray, siz
     conn.reply(frame, frame.count, bytes(statuses) + grant)
 
 
-def _register(conn: "Connection", group: list) -> int:
-    """Keep a reservation group on the connection; its id (0 when nothing was reserved)."""
+def _register(conn: "Connection", group: list, grant: bool) -> int:
+    """Keep a reservation group on the connection (a grant, or a RESERVE's, which expires
+    after write_ttl); its id (0 when nothing was reserved)."""
     if not any(item[0] is not None for item in group):
         return 0
     group_id = conn.new_id()
-    conn.reservations[group_id] = group
+    conn.reservations.add(group_id, group, grant)
     return group_id
 
 
@@ -534,4 +595,5 @@ OPS = {
     Op.STORE: _one_request(op_store),
     Op.VERIFY: op_verify,
     Op.AUTH: op_auth,
+    Op.GET_RANGES: op_get_ranges,
 }

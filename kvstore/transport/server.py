@@ -43,6 +43,7 @@ from kvstore.security.access import AccessList
 from kvstore.transport.allowance import Allowance
 from kvstore.transport.connection import Connection
 from kvstore.transport.limits import AUTH_TIMEOUT, ConnectionLimits, Refusals, set_idle_timeout
+from kvstore.transport.ops import end_group
 from kvstore.transport.puller import BlockPuller
 from kvstore.transport.store_api import ServedStore
 
@@ -187,6 +188,7 @@ class DataPlaneServer:
             "max_table_bytes": self.limits.max_table_bytes,
             "max_connections": self.limits.max_connections,
             "idle_timeout": self.limits.idle_timeout,
+            "write_ttl": self.limits.write_ttl,
             "directory": None if directory is None else directory.name,
         }
 
@@ -220,17 +222,35 @@ class DataPlaneServer:
                 self._refusals.close_due()
             if self._stopped.wait(period):
                 return
+            now = time.monotonic()
             if ttl is not None:
-                self._reap_leases(time.monotonic() - ttl)
+                self._reap_leases(now - ttl)
+            if self.limits.write_ttl is not None:
+                self._reap_reservations(now - self.limits.write_ttl)
+
+    def _live(self) -> list[Connection]:
+        with self._lock:
+            return list(self._connections)
 
     def _reap_leases(self, cutoff: float) -> None:
-        with self._lock:
-            live = list(self._connections)
-        for conn in live:
+        for conn in self._live():
             try:
                 conn.leases.expire(cutoff)
             except Exception:  # never let one bad lease stop the sweeps
                 log.exception("expiring the leases of data-plane connection %s failed", conn.peer)
+
+    def _reap_reservations(self, cutoff: float) -> None:
+        """Revoke RESERVE groups older than write_ttl: a writer that stalls holds no DRAM for long."""
+        for conn in self._live():
+            try:
+                groups = conn.reservations.expire(cutoff)
+                for group in groups:
+                    end_group(conn, group)
+            except Exception:  # never let one bad group stop the sweeps
+                log.exception("expiring the reservations of data-plane connection %s failed", conn.peer)
+            else:
+                if groups:
+                    log.info("revoked %d reservations of %s unpublished after write_ttl", len(groups), conn.peer)
 
     def _serve_later(self, sock: socket.socket, peer) -> None:
         idle = self.limits.idle_timeout
