@@ -47,6 +47,14 @@ class AsyncClient:
     async def batch_get_into(self, keys: Sequence[BlockKey], buffers: Sequence) -> list[int | None]:
         return await asyncio.to_thread(self._client.batch_get_into, keys, buffers)
 
+    async def get_ranges_into(self, key: BlockKey, ranges: Sequence, buffers: Sequence) -> list[int | None]:
+        return await asyncio.to_thread(self._client.get_ranges_into, key, ranges, buffers)
+
+    async def batch_get_ranges_into(
+        self, keys: Sequence[BlockKey], ranges: Sequence, buffers: Sequence
+    ) -> list[int | None]:
+        return await asyncio.to_thread(self._client.batch_get_ranges_into, keys, ranges, buffers)
+
     async def exists(self, key: BlockKey) -> bool:
         return await asyncio.to_thread(self._client.exists, key)
 

@@ -43,10 +43,12 @@ from kvstore_client.hostid import machine_id
 from kvstore_client.keys import BlockKey, check_key
 from kvstore_client.locations import MAX_KEYS, LocationCache, Replica
 from kvstore_client.nodes import REFRESH_EVERY_S, KnownNodes
+from kvstore_client.objects import ObjectReader, ObjectWriter
 from kvstore_client.placements import GROWTH, Placements
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.scheduling import EngineAssignment, SchedulingCalls
+from kvstore_client import slices
 from kvstore_client.transport import KEYS_PER_FRAME, UNACKED_MAX, WINDOW, Tuning
 from kvstore_client.wire import reply_spin
 
@@ -400,6 +402,117 @@ class Client:
             return [n.info for n in self.cluster_status().nodes if n.alive]
         except ServiceUnavailable:
             return []
+
+    # -- sliced values (kvstore_client.slices, kvstore_client.objects) ----------------------------
+    def open_objects(
+        self, keys: Sequence[BlockKey], slice_lengths: Sequence, *, depths: Sequence[int] | None = None
+    ) -> ObjectWriter:
+        """Open sliced values for writing a slice at a time: ``writer.write(i, buffers)`` gives
+        slice ``i`` of every value, ``writer.complete()`` publishes them (nothing is visible
+        before), ``writer.abort()`` gives them up (``with`` does either). ``slice_lengths``:
+        the slices' lengths, the same for every value, or one sequence per value. Placed as
+        ``batch_put`` places; use the writer on this thread only."""
+        self._check_open()
+        keys = [check_key(k) for k in keys]
+        if slice_lengths and all(type(n) is int for n in slice_lengths):
+            shared = slices.layout(slice_lengths)
+            tables = [shared] * len(keys)
+        else:
+            if len(slice_lengths) != len(keys):
+                raise InvalidValue(f"{len(keys)} keys but {len(slice_lengths)} slice length lists")
+            tables = [slices.layout(lengths) for lengths in slice_lengths]
+        depths = list(depths) if depths is not None else [0] * len(keys)
+        if len(depths) != len(keys):
+            raise InvalidValue(f"{len(keys)} keys but {len(depths)} depths")
+        primaries = [""] * len(keys)
+        by_node: dict[str, tuple] = {}
+        for namespace, idx in _group_by_namespace(keys).items():
+            nodes = self._placements.nodes_for(namespace, sum(tables[j].size for j in idx))
+            for j in idx:
+                primaries[j] = nodes[0].node_id
+            for node in nodes:
+                by_node.setdefault(node.node_id, (node, []))[1].extend(idx)
+        targets = []
+        for node_id, (node, idx) in by_node.items():
+            try:
+                targets.append((node_id, self._conn(node), idx))
+            except OSError as exc:
+                self._nodes.unreachable(node_id, exc)
+                if any(primaries[j] == node_id for j in idx):
+                    raise ServiceUnavailable(f"node {node_id} cannot be reached to write to: {exc}") from None
+        return ObjectWriter(keys, tables, depths, targets, primaries, self._remember_stored)
+
+    def _remember_stored(self, stored: list[tuple[BlockKey, list[str]]]) -> None:
+        self._locations.remember((key, tuple((n, pb.DRAM) for n in nodes)) for key, nodes in stored)
+
+    def read_objects(self, keys: Sequence[BlockKey]) -> ObjectReader:
+        """Hold sliced values for reading slice ranges of all of them at a time:
+        ``reader.read_into(first, buffers, count=1)``, then ``reader.close()`` (or ``with``).
+        Values on this host are leased once and copied straight out of the arena; others
+        are asked for range by range. Use the reader on this thread only."""
+        self._check_open()
+        keys = [check_key(k) for k in keys]
+        routes: list = []
+        for replicas in self._locate(keys):
+            route = None
+            for node_id in self._order(replicas):
+                node = self._nodes.get(node_id)
+                if node is None:
+                    continue
+                try:
+                    route = (node_id, self._conn(node))
+                    break
+                except OSError as exc:
+                    self._nodes.unreachable(node_id, exc)
+            routes.append(route)
+        return ObjectReader(keys, routes, self.verify)
+
+    def get_ranges_into(self, key: BlockKey, ranges: Sequence, buffers: Sequence) -> list[int | None]:
+        """Ranges of slices of one sliced value, ``ranges[k]`` = (first, count) (or a ``range``)
+        into ``buffers[k]``: the bytes copied, None when the value is not in the pool."""
+        return self.batch_get_ranges_into([key] * len(ranges), ranges, buffers)
+
+    def batch_get_ranges_into(self, keys: Sequence[BlockKey], ranges: Sequence, buffers: Sequence) -> list[int | None]:
+        """For each j, slices ``ranges[j]`` of ``keys[j]``'s value into ``buffers[j]``: the bytes
+        copied, or None for a miss. Each slice is checked against its own checksum; a copy
+        found damaged is dropped at its node and the next replica is tried. Raises the typed
+        error of a key the pool refuses (InvalidValue: not a sliced value, or too few slices)."""
+        self._check_open()
+        keys = [check_key(k) for k in keys]
+        if not len(keys) == len(ranges) == len(buffers):
+            raise InvalidValue(f"{len(keys)} keys, {len(ranges)} ranges and {len(buffers)} buffers")
+        candidates = [self._order(replicas) for replicas in self._locate(keys)]
+        results: list[int | None] = [None] * len(keys)
+        pending = [j for j in range(len(keys)) if candidates[j]]
+        while pending:
+            by_node: dict[str, list[int]] = {}
+            for j in pending:
+                by_node.setdefault(candidates[j].pop(0), []).append(j)
+            retry = []
+            for node_id, idx in by_node.items():
+                node = self._nodes.get(node_id)
+                got: list = [None] * len(idx)
+                errors: dict = {}
+                if node is not None:
+                    try:
+                        got, errors = self._on_node(
+                            node,
+                            lambda c: c.read_ranges(
+                                [keys[j] for j in idx], [ranges[j] for j in idx], [buffers[j] for j in idx]
+                            ),
+                        )
+                    except OSError as exc:
+                        self._nodes.unreachable(node_id, exc)
+                for k, j in enumerate(idx):
+                    if k in errors and not isinstance(errors[k], ChecksumMismatch):
+                        raise errors[k]
+                    if got[k] is not None:
+                        results[j] = got[k]
+                    elif candidates[j]:
+                        retry.append(j)
+                self._locations.forget([keys[j] for k, j in enumerate(idx) if got[k] is None])
+            pending = retry
+        return results
 
     # -- lookups ---------------------------------------------------------------------------
     def exists(self, key: BlockKey) -> bool:

@@ -98,12 +98,13 @@ _NEVER = float("inf")
 
 class ShmLease:
     """Zero-copy, read-only views of blocks leased in a node's arena (``views[j]``
-    is None for a miss or a block that is not in DRAM). The node keeps the
+    is None for a miss or a block that is not in DRAM; ``checksums[j]``, what it was stored with). The node keeps the
     bytes in place, unevicted, until ``release`` (or the connection closes);
     these leases do not expire. Drop the views before releasing. A context manager."""
 
-    def __init__(self, conn: "ShmConnection", views: list, lease_ids: list[int]):
+    def __init__(self, conn: "ShmConnection", views: list, lease_ids: list[int], checksums: list[int] | None = None):
         self.views = views
+        self.checksums = checksums if checksums is not None else [0] * len(views)
         self._conn, self._ids = conn, lease_ids
 
     def release(self) -> None:
@@ -410,9 +411,26 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
             return _unpack_id(body)[0], list(LEASE_ITEM.iter_unpack(body[U64.size :]))
 
     def lease_many(self, keys) -> ShmLease:
-        """Lease blocks and return zero-copy views of them (see ShmLease)."""
+        """Lease blocks and return zero-copy views of them (see ShmLease), each verified whole."""
+        lease = self.hold(keys)
+        if self.verify:
+            errors: dict[int, KVStoreError] = {
+                j: ChecksumMismatch(f"leased block {j} does not match its checksum")
+                for j, (view, checksum) in enumerate(zip(lease.views, lease.checksums))
+                if view is not None and _checksum(view) != checksum
+            }
+            if errors:
+                lease.release()
+                _raise_first(errors)
+        return lease
+
+    def hold(self, keys) -> ShmLease:
+        """Lease blocks (HOLD: until released) and return zero-copy views of them with the
+        checksums they were stored with, unverified: for a reader that checks only what it
+        reads of them (the slices of a sliced value, ``kvstore_client.objects``)."""
         keys = [check_key(k) for k in keys]
         views: list = [None] * len(keys)
+        checksums = [0] * len(keys)
         errors: dict[int, KVStoreError] = {}
         ids: list[int] = []
         mem, todo = self._mem, list(range(len(keys)))
@@ -427,9 +445,7 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
                         if status == _OK:
                             if offset + size > len(mem):
                                 raise ProtocolError(f"lease of {size} bytes at {offset} lies outside the arena")
-                            views[j] = mem[offset : offset + size].toreadonly()
-                            if self.verify and _checksum(views[j]) != checksum:
-                                errors[j] = ChecksumMismatch(f"leased block {j} does not match its checksum")
+                            views[j], checksums[j] = mem[offset : offset + size].toreadonly(), checksum
                         elif status == _FRAME_TOO_LARGE and j != chunk[0]:
                             deferred.append(j)
                         elif status not in (_NOT_FOUND, _NOT_IN_DRAM):
@@ -438,7 +454,7 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
         except BaseException:
             ShmLease(self, views, ids).release()
             raise
-        lease = ShmLease(self, views, ids)
+        lease = ShmLease(self, views, ids, checksums)
         if errors:
             lease.release()
             _raise_first(errors)

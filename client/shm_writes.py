@@ -137,6 +137,51 @@ class ArenaWrites(DataPlaneConnection):
             )
         return [s if s != Status.OK else c for s, c in zip(statuses, committed)]
 
+    # -- space for values written piece by piece (kvstore_client.objects) ----------------------
+    @property
+    def arena(self) -> memoryview:
+        """The node's arena as this connection maps it (read and write)."""
+        return self._mem
+
+    @property
+    def write_ttl(self) -> float | None:
+        """Seconds the node keeps a RESERVE's space unpublished before revoking it (INFO)."""
+        ttl = self._info.get("write_ttl")
+        return None if ttl is None else float(ttl)
+
+    def reserve_space(self, keys: list, sizes: list[int], depths: list[int]) -> list[tuple[int, list[int], list]]:
+        """RESERVE arena space for values to be written later, a frame's worth at a time:
+        [(reservation id, the indices it covers, [(status, offset)] of each)]. The caller
+        writes each value at its offset, then ``commit_space`` or ``abort_space``, within
+        ``write_ttl`` of now."""
+        groups = []
+        costs = dict(enumerate(sizes))
+        for chunk in _split(list(range(len(keys))), costs, self.max_frame_bytes, self.keys_per_frame):
+            table = b"".join([reserve_entry(keys[j], depths[j], sizes[j]) for j in chunk])
+            with self._stream():
+                request_id = self._send(Op.RESERVE, len(chunk), table)
+                group_id, reserved = self._read_reserved(request_id, [sizes[j] for j in chunk])
+            groups.append((group_id, chunk, reserved))
+        return groups
+
+    def commit_space(self, group_id: int, checksums: list[int], written: bool = True) -> list[int]:
+        """Publish a ``reserve_space`` group: a status per item. ``written``: ``checksums`` are
+        the writer's, recorded as they are (WRITTEN); else the node reads each value back and
+        publishes only those that match (what a writer that gave up on some items sends,
+        with checksum 0 for those)."""
+        table = U64.pack(group_id) + struct.pack(f"<{len(checksums)}Q", *checksums)
+        with self._stream():
+            request_id = self._send(Op.COMMIT, len(checksums), table, flags=FLAG_WRITTEN if written else 0)
+            return self._status_list(Op.COMMIT, request_id, len(checksums))
+
+    def abort_space(self, group_id: int, count: int) -> None:
+        """Give a ``reserve_space`` group back (no reply: stream order applies it)."""
+        if self._dead is None and group_id:
+            with self._stream():
+                self._send(
+                    Op.COMMIT, count, U64.pack(group_id) + bytes(U64.size * count), flags=FLAG_ABORT | FLAG_NO_REPLY
+                )
+
     def _copy_in(self, views: list, offsets: list[int]) -> list[int]:
         """Copy each value into the arena at its offset; their XXH3-64s. A host value is hashed
         at its source; a value in device memory (``kvstore_client.cuda.DeviceView``) is copied

@@ -834,6 +834,13 @@ class DataPlaneConnection:
         return _found(statuses)
 
     # -- lookups and removal ------------------------------------------------------------------------
+    def verify_many(self, keys) -> list[bool | None]:
+        """Ask the node to check its copies of ``keys`` whole (VERIFY), because bytes read from
+        them did not match: True intact, False damaged (the node dropped it), None absent."""
+        keys = [check_key(k) for k in keys]
+        verdict: dict[int, bool | None] = {Status.OK: True, Status.CHECKSUM_MISMATCH: False, Status.NOT_FOUND: None}
+        return [verdict.get(s) for s in self._item_statuses(Op.VERIFY, keys)]
+
     def exists_many(self, keys) -> list[bool]:
         return self._flags(Op.EXISTS, keys)
 

@@ -114,6 +114,8 @@ def _arguments(function, hasher: BlockHasher) -> dict:
         "node_id": "n",
         "request_id": "r",
         "stage": "cancelled",
+        "ranges": [(0, 1)],
+        "slice_lengths": [8],
     }
     arguments = {}
     for name, parameter in inspect.signature(function).parameters.items():

@@ -1,0 +1,424 @@
+"""Sliced values written and read a slice at a time (``Client.open_objects``, ``Client.read_objects``).
+
+A sliced value (``kvstore_client.slices``) is a header, then its slices. An ``ObjectWriter``
+opens a batch of them at once, each of known slice lengths, and is handed slice ``i`` of
+every value at a time (the vLLM connector: layer ``i`` of every block as soon as the layer
+is computed); ``complete`` publishes them, and only then are they indexed, readable and
+counted. On a node of this host the bytes go straight into arena space the node set aside
+(RESERVE), invisible until the COMMIT that ``complete`` sends; space the node does not set
+aside (its share for writers is held by others, or the node is on another host) is staged
+in this process and sent whole by ``complete``. A writer that never completes leaves nothing
+visible: its space is given back by ``abort``, when its connection ends, or by the node
+after ``write_ttl``; before half of that has passed, the writer moves what it wrote out of
+the arena into staging, so it never writes into space the node may have given to another.
+
+An ``ObjectReader`` holds a batch of sliced values for reading slice ranges of all of them
+at a time (the connector: layer ``i`` of every block, while layer ``i - 1`` computes). On
+this host it leases them once (HOLD) and copies each range straight out of the arena,
+checking each slice against its own checksum after the value's header was checked once;
+elsewhere it asks their nodes for the ranges (GET_RANGES). A value that turns out damaged is
+a miss (reported to its node when the reader closes, which drops it), never wrong bytes.
+
+Both belong to the thread that made them (they use its data-plane connections).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+import xxhash
+
+from kvstore_client.buffers import buffer_view
+from kvstore_client.checked_copy import copy_slices_verified
+from kvstore_client.cuda import DeviceView, copy_to_host
+from kvstore_client.errors import InvalidValue, KVStoreError, PutFailed
+from kvstore_client.keys import BlockKey
+from kvstore_client.slices import SliceTable, pack_header, table_of
+from kvstore_client.wire import Status, error_for
+
+log = logging.getLogger(__name__)
+_xxh3 = xxhash.xxh3_64_intdigest
+_monotonic = time.monotonic
+
+
+class ObjectReader:
+    """Slice ranges of a batch of sliced values (see the module docstring). ``routes[j]``:
+    (node id, data-plane connection) to read ``keys[j]`` from, or None (a miss)."""
+
+    def __init__(self, keys: list[BlockKey], routes: list, verify: bool = True):
+        self.keys = keys
+        self._verify = verify
+        n = len(keys)
+        self._held: list[tuple[memoryview, SliceTable] | None] = [None] * n  # leased on this host
+        self._remote: dict[int, list[int]] = {}  # id(conn) -> indices read with GET_RANGES
+        self._conns: dict[int, tuple[str, Any]] = {}
+        self._leases: list = []
+        self._damaged: dict[int, list[int]] = {}  # id(conn) -> indices found damaged
+        self._owner: dict[int, int] = {}  # index -> id(conn) of a held value
+        self._gone: set[int] = set()  # misses, and values found damaged
+        by_conn: dict[int, list[int]] = {}
+        for j, route in enumerate(routes):
+            if route is None:
+                self._gone.add(j)
+                continue
+            self._conns.setdefault(id(route[1]), route)
+            by_conn.setdefault(id(route[1]), []).append(j)
+        try:
+            for cid, idx in by_conn.items():
+                node_id, conn = self._conns[cid]
+                if hasattr(conn, "hold"):
+                    self._hold(conn, idx)
+                else:
+                    self._remote[cid] = idx
+        except BaseException:
+            self.close()
+            raise
+
+    def _hold(self, conn, idx: list[int]) -> None:
+        """Lease the values of ``idx`` in place and check each one's header once."""
+        lease = conn.hold([self.keys[j] for j in idx])
+        self._leases.append(lease)
+        for j, view, checksum in zip(idx, lease.views, lease.checksums):
+            table = None if view is None else table_of(view, checksum)
+            if table is None:  # a miss, or not a sliced value with that checksum (the node says which)
+                if view is not None:
+                    self._damaged.setdefault(id(conn), []).append(j)
+                self._gone.add(j)
+            else:
+                self._held[j] = (view, table)
+                self._owner[j] = id(conn)
+
+    def read_into(self, first: int, buffers: Sequence, count: int = 1) -> list[int | None]:
+        """Slices ``first .. first + count - 1`` of every value, back to back, into
+        ``buffers[j]``: the bytes copied, or None for a value missing, damaged, or with fewer
+        slices (it stays None for later reads). InvalidValue for a buffer too small."""
+        if len(buffers) != len(self.keys):
+            raise InvalidValue(f"{len(self.keys)} values but {len(buffers)} buffers")
+        results: list[int | None] = [None] * len(self.keys)
+        verify, gone = self._verify, self._gone
+        for j, held in enumerate(self._held):
+            if held is None or j in gone:
+                continue
+            view, table = held
+            if first + count > table.count:
+                continue
+            if count == 1:  # the common read: one slice, inline
+                offset, length = table.offsets[first], table.lengths[first]
+            else:
+                offset, length = table.span(first, count)
+            dst = buffer_view(buffers[j], writable=True)
+            if len(dst) < length:
+                raise InvalidValue(f"buffer {j} holds {len(dst)} bytes, the range {length}")
+            if length != len(dst):
+                dst = dst[:length]
+            if count == 1 and type(dst) is memoryview:
+                src = view[offset : offset + length]
+                if verify and _xxh3(src) != table.checksums[first]:
+                    self._lost(j)
+                    continue
+                dst[:] = src
+            elif not copy_slices_verified(dst, view, table, first, count, verify):
+                self._lost(j)
+                continue
+            results[j] = length
+        for cid, idx in self._remote.items():
+            self._read_remote(cid, [j for j in idx if j not in gone], first, count, buffers, results)
+        return results
+
+    def _read_remote(self, cid: int, idx: list[int], first: int, count: int, buffers, results: list) -> None:
+        if not idx:
+            return
+        node_id, conn = self._conns[cid]
+        try:
+            got, errors = conn.read_ranges(
+                [self.keys[j] for j in idx], [(first, count)] * len(idx), [buffers[j] for j in idx]
+            )
+        except (KVStoreError, OSError) as exc:
+            log.warning("reading %d slice ranges from %s failed: %s", len(idx), node_id, exc)
+            self._gone.update(idx)
+            return
+        for k, (j, size) in enumerate(zip(idx, got)):
+            if size is None:
+                if k in errors and not isinstance(errors[k], InvalidValue):
+                    log.warning("reading slices of %r from %s failed: %s", self.keys[j], node_id, errors[k])
+                self._gone.add(j)
+            results[j] = size
+
+    def _lost(self, j: int) -> None:
+        """A held value's slice did not match its checksum: a miss from now on, reported at close."""
+        self._gone.add(j)
+        self._damaged.setdefault(self._owner[j], []).append(j)
+
+    @property
+    def missing(self) -> set[int]:
+        """Indices of the values not read (missing or damaged) so far."""
+        return set(self._gone)
+
+    def close(self) -> None:
+        """Release the leases; tell the nodes about values found damaged (they check them whole
+        and drop the damaged ones)."""
+        leases, self._leases = self._leases, []
+        for lease in leases:
+            try:
+                lease.release()
+            except (KVStoreError, OSError):
+                pass
+        damaged, self._damaged = self._damaged, {}
+        for cid, idx in damaged.items():
+            node_id, conn = self._conns[cid]
+            try:
+                conn.verify_many([self.keys[j] for j in idx])
+            except (KVStoreError, OSError) as exc:
+                log.info("could not report %d damaged values to %s: %s", len(idx), node_id, exc)
+
+    def __enter__(self) -> "ObjectReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Target:
+    """One node a batch of objects goes to: its connection, the arena groups it reserved
+    ((reservation id, indices), their space in ``ObjectWriter._values``), and the indices
+    staged here for it."""
+
+    __slots__ = ("node_id", "conn", "groups", "staged", "reserved_at", "ttl")
+
+    def __init__(self, node_id: str, conn):
+        self.node_id, self.conn = node_id, conn
+        self.groups: list[tuple[int, list[int]]] = []
+        self.staged: list[int] = []
+        self.reserved_at = _monotonic()
+        self.ttl = getattr(conn, "write_ttl", None)
+
+
+class ObjectWriter:
+    """Sliced values written a slice at a time (see the module docstring). ``targets``:
+    (node id, connection, indices) of each node the values go to; ``primaries[j]``, the node
+    whose copy of value ``j`` must be stored (the others are replicas, best effort);
+    ``stored(keys_and_nodes)`` is told what ``complete`` stored."""
+
+    def __init__(
+        self,
+        keys: list[BlockKey],
+        tables: list[SliceTable],
+        depths: list[int],
+        targets: list[tuple],
+        primaries: list[str],
+        stored=None,
+    ):
+        self.keys, self._tables, self._depths = keys, tables, depths
+        self._stored = stored
+        n = len(keys)
+        self._values: list[list[memoryview]] = [[] for _ in range(n)]  # where each value's bytes go
+        self._space: list[list[tuple[_Target, memoryview]]] = [[] for _ in range(n)]  # arena space, per target
+        self._staging: list[bytearray | None] = [None] * n
+        self._checksums: list[list[int]] = [[0] * t.count for t in tables]
+        self._written: list[bytearray] = [bytearray(t.count) for t in tables]
+        self._primary = list(primaries)
+        self._targets: list[_Target] = []
+        self._open = True
+        try:
+            for node_id, conn, idx in targets:
+                target = _Target(node_id, conn)
+                self._targets.append(target)
+                self._make_room(target, idx)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _make_room(self, target: _Target, idx: list[int]) -> None:
+        """Arena space on ``target`` for each value of ``idx`` (same host), else staging here."""
+        conn = target.conn
+        if not hasattr(conn, "reserve_space"):
+            for j in idx:
+                self._stage(target, j)
+            return
+        sizes = [self._tables[j].size for j in idx]
+        groups = conn.reserve_space([self.keys[j] for j in idx], sizes, [self._depths[j] for j in idx])
+        arena = conn.arena
+        for group_id, chunk, reserved in groups:
+            members = [idx[k] for k in chunk]
+            if group_id:
+                target.groups.append((group_id, members))
+            for j, (status, offset) in zip(members, reserved):
+                if status == Status.OK:
+                    space = arena[offset : offset + self._tables[j].size]
+                    self._values[j].append(space)
+                    self._space[j].append((target, space))
+                else:  # the node's space for writers is held by others: send it whole at the end
+                    self._stage(target, j)
+
+    def _stage(self, target: _Target, j: int) -> None:
+        target.staged.append(j)
+        if self._staging[j] is None:
+            staging = self._staging[j] = bytearray(self._tables[j].size)
+            self._values[j].append(memoryview(staging))
+
+    # -- writing ---------------------------------------------------------------------------------
+    def write(self, index: int, buffers: Sequence) -> None:
+        """Slice ``index`` of every value: ``buffers[j]`` (any contiguous buffer, host or CUDA
+        memory, exactly that slice's length) for value ``j``; None skips value ``j``."""
+        if not self._open:
+            raise InvalidValue("this writer was completed or aborted")
+        if len(buffers) != len(self.keys):
+            raise InvalidValue(f"{len(self.keys)} values but {len(buffers)} buffers")
+        self._keep_clear_of_expiry()
+        device: list[tuple[int, DeviceView]] = []
+        tables, values, checksums, written = self._tables, self._values, self._checksums, self._written
+        for j, buffer in enumerate(buffers):
+            if buffer is None:
+                continue
+            table = tables[j]
+            if not 0 <= index < table.count:
+                raise InvalidValue(f"value {j} has {table.count} slices, not slice {index}")
+            src = buffer_view(buffer)
+            offset, length = table.offsets[index], table.lengths[index]
+            if len(src) != length:
+                raise InvalidValue(f"slice {index} of value {j} is {length} bytes, not {len(src)}")
+            if type(src) is DeviceView:
+                device.append((j, src))
+                continue
+            checksums[j][index] = _xxh3(src)
+            for value in values[j]:
+                value[offset : offset + length] = src
+            written[j][index] = 1
+        if device:
+            self._write_from_device(index, device)
+
+    def _write_from_device(self, index: int, device: list[tuple[int, DeviceView]]) -> None:
+        """Slices in GPU memory: the copy engine copies each into its value's first home, all
+        before one wait; each is hashed there and copied on to the value's other homes."""
+        homes = []
+        for j, src in device:
+            offset, length = self._tables[j].offsets[index], self._tables[j].lengths[index]
+            homes.append((self._values[j][0][offset : offset + length], src))
+        copy_to_host(homes)
+        for (j, _), (home, _) in zip(device, homes):
+            offset, length = self._tables[j].offsets[index], self._tables[j].lengths[index]
+            self._checksums[j][index] = _xxh3(home)
+            for value in self._values[j][1:]:
+                value[offset : offset + length] = home
+            self._written[j][index] = 1
+
+    def _keep_clear_of_expiry(self) -> None:
+        """Past half the node's write_ttl since a target's RESERVE, move what was written there
+        into staging and give the space back: the node revokes it at write_ttl, and then may
+        hand it to another writer while this one still writes."""
+        now = _monotonic()
+        for target in self._targets:
+            if target.groups and target.ttl is not None and now - target.reserved_at > target.ttl / 2:
+                self._leave_arena(target)
+
+    def _leave_arena(self, target: _Target) -> None:
+        groups, target.groups = target.groups, []
+        for j in range(len(self.keys)):
+            for held in [h for h in self._space[j] if h[0] is target]:
+                self._space[j].remove(held)
+                space = held[1]
+                if self._staging[j] is None:
+                    staging = self._staging[j] = bytearray(space)
+                    self._values[j].append(memoryview(staging))
+                self._values[j] = [v for v in self._values[j] if v is not space]
+                target.staged.append(j)
+        for group_id, members in groups:
+            target.conn.abort_space(group_id, len(members))
+
+    # -- publishing ------------------------------------------------------------------------------
+    @property
+    def incomplete(self) -> list[int]:
+        """Indices of the values some slice of which was not written yet."""
+        return [j for j, done in enumerate(self._written) if not all(done)]
+
+    def complete(self) -> None:
+        """Publish every value whose slices were all written (the others are given up): each
+        header is written, then the nodes publish (COMMIT) or receive (PUT) them. Raises
+        PutFailed naming the values not stored on their primary node (those given up
+        included); replica failures are logged."""
+        if not self._open:
+            raise InvalidValue("this writer was completed or aborted")
+        self._open = False
+        incomplete = set(self.incomplete)
+        declared = [0] * len(self.keys)
+        for j, table in enumerate(self._tables):
+            if j not in incomplete:
+                header = pack_header(table, self._checksums[j])
+                declared[j] = _xxh3(header)
+                for value in self._values[j]:
+                    value[: table.header_len] = header
+        failures: dict[int, tuple] = {
+            j: (self.keys[j], self._primary[j], InvalidValue("not every slice was written")) for j in incomplete
+        }
+        stored: dict[int, list[str]] = {}
+        for target in self._targets:
+            for j, error in self._publish(target, declared, incomplete).items():
+                if error is None:
+                    stored.setdefault(j, []).append(target.node_id)
+                elif target.node_id == self._primary[j]:
+                    failures.setdefault(j, (self.keys[j], target.node_id, error))
+                else:
+                    log.warning("replica of %r on %s not stored: %s", self.keys[j], target.node_id, error)
+        self._release_staging()
+        if self._stored is not None:
+            self._stored([(self.keys[j], nodes) for j, nodes in stored.items() if j not in failures])
+        if failures:
+            raise PutFailed([failures[j] for j in sorted(failures)])
+
+    def _publish(self, target: _Target, declared: list[int], incomplete: set[int]) -> dict[int, Exception | None]:
+        """One target's values: its arena groups committed, its staged values put; a result per index."""
+        out: dict[int, Exception | None] = {}
+        conn = target.conn
+        for group_id, members in target.groups:
+            whole = not any(j in incomplete for j in members)
+            try:  # a group with values given up is read back and checked by the node: those fail
+                statuses = conn.commit_space(group_id, [declared[j] for j in members], written=whole)
+            except (KVStoreError, OSError) as exc:
+                statuses = [exc] * len(members)
+            for j, status in zip(members, statuses):
+                if j not in incomplete:
+                    out[j] = (
+                        status
+                        if isinstance(status, Exception)
+                        else (None if status == Status.OK else error_for(status))
+                    )
+        target.groups = []
+        staged = [j for j in target.staged if j not in incomplete]
+        if staged:
+            items = [(self.keys[j], self._staging[j], self._depths[j]) for j in staged]
+            try:
+                results = conn.put_many(items)
+            except (KVStoreError, OSError) as exc:
+                results = [exc] * len(staged)
+            out.update(zip(staged, results))
+        return out
+
+    def abort(self) -> None:
+        """Give every value up: the space reserved goes back, nothing becomes visible."""
+        self._open = False
+        for target in self._targets:
+            groups, target.groups = target.groups, []
+            for group_id, members in groups:
+                try:
+                    target.conn.abort_space(group_id, len(members))
+                except (KVStoreError, OSError):
+                    pass  # a dead connection gave everything back itself
+        self._release_staging()
+
+    def _release_staging(self) -> None:
+        self._values = [[] for _ in self.keys]
+        self._space = [[] for _ in self.keys]
+        self._staging = [None] * len(self.keys)
+
+    def __enter__(self) -> "ObjectWriter":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if not self._open:
+            return
+        if kind is None:
+            self.complete()
+        else:
+            self.abort()
