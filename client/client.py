@@ -445,11 +445,12 @@ class Client:
     def _remember_stored(self, stored: list[tuple[BlockKey, list[str]]]) -> None:
         self._locations.remember((key, tuple((n, pb.DRAM) for n in nodes)) for key, nodes in stored)
 
-    def read_objects(self, keys: Sequence[BlockKey]) -> ObjectReader:
+    def read_objects(self, keys: Sequence[BlockKey], *, slices: int | None = None) -> ObjectReader:
         """Hold sliced values for reading slice ranges of all of them at a time:
         ``reader.read_into(first, buffers, count=1)``, then ``reader.close()`` (or ``with``).
         Values on this host are leased once and copied straight out of the arena; others
-        are asked for range by range. Use the reader on this thread only."""
+        are asked for range by range. ``slices``: read only values of that many slices (the
+        others are misses). Use the reader on this thread only."""
         self._check_open()
         keys = [check_key(k) for k in keys]
         routes: list = []
@@ -465,7 +466,7 @@ class Client:
                 except OSError as exc:
                     self._nodes.unreachable(node_id, exc)
             routes.append(route)
-        return ObjectReader(keys, routes, self.verify)
+        return ObjectReader(keys, routes, self.verify, slices)
 
     def get_ranges_into(self, key: BlockKey, ranges: Sequence, buffers: Sequence) -> list[int | None]:
         """Ranges of slices of one sliced value, ``ranges[k]`` = (first, count) (or a ``range``)
@@ -525,8 +526,9 @@ class Client:
         indexed = self._locate(keys, use_cache=False)
         return [bool(r) or bool(c) for r, c in zip(indexed, self._locations.lookup(keys))]
 
-    def match_prefix(self, keys: Sequence[BlockKey]) -> PrefixMatch:
-        """How many leading blocks of a prefix chain the pool holds, overall and per node."""
+    def match_prefix(self, keys: Sequence[BlockKey], *, timeout: float | None = None) -> PrefixMatch:
+        """How many leading blocks of a prefix chain the pool holds, overall and per node
+        (``timeout``: seconds the master may take, default the client's)."""
         self._check_open()
         keys = [check_key(k) for k in keys]
         if not keys:
@@ -534,7 +536,9 @@ class Client:
         namespace = keys[0][0]
         if any(k[0] != namespace for k in keys):
             raise InvalidValue("a prefix chain lives in one namespace")
-        reply = self._call(self._stub.MatchPrefix, pb.KeyBatch(namespace=namespace, digests=[k[1] for k in keys]))
+        reply = self._call(
+            self._stub.MatchPrefix, pb.KeyBatch(namespace=namespace, digests=[k[1] for k in keys]), timeout
+        )
         # read your writes: blocks this client just stored may not be indexed yet
         return with_cached_locations(
             PrefixMatch(reply.longest, dict(reply.node_prefix_blocks)), self._locations.lookup(keys)
@@ -628,10 +632,10 @@ class Client:
         if self._closed:
             raise ClientClosed(f"this client of {self.master} is closed")
 
-    def _call(self, method, request):
+    def _call(self, method, request, timeout: float | None = None):
         self._check_open()
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout if timeout is None else timeout)
         except ValueError:  # "Cannot invoke RPC on closed channel!": closed meanwhile
             self._check_open()
             raise

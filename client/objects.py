@@ -45,11 +45,14 @@ _monotonic = time.monotonic
 
 class ObjectReader:
     """Slice ranges of a batch of sliced values (see the module docstring). ``routes[j]``:
-    (node id, data-plane connection) to read ``keys[j]`` from, or None (a miss)."""
+    (node id, data-plane connection) to read ``keys[j]`` from, or None (a miss). ``slices``:
+    the number of slices a value must have (None: any); a value held here with another count
+    is a miss at once (one elsewhere, at its first range past its end)."""
 
-    def __init__(self, keys: list[BlockKey], routes: list, verify: bool = True):
+    def __init__(self, keys: list[BlockKey], routes: list, verify: bool = True, slices: int | None = None):
         self.keys = keys
         self._verify = verify
+        self._slices = slices
         n = len(keys)
         self._held: list[tuple[memoryview, SliceTable] | None] = [None] * n  # leased on this host
         self._remote: dict[int, list[int]] = {}  # id(conn) -> indices read with GET_RANGES
@@ -86,20 +89,24 @@ class ObjectReader:
                 if view is not None:
                     self._damaged.setdefault(id(conn), []).append(j)
                 self._gone.add(j)
+            elif self._slices is not None and table.count != self._slices:
+                self._gone.add(j)
             else:
                 self._held[j] = (view, table)
                 self._owner[j] = id(conn)
 
-    def read_into(self, first: int, buffers: Sequence, count: int = 1) -> list[int | None]:
+    def read_into(self, first: int, buffers: Sequence, count: int = 1, *, exact: bool = False) -> list[int | None]:
         """Slices ``first .. first + count - 1`` of every value, back to back, into
         ``buffers[j]``: the bytes copied, or None for a value missing, damaged, or with fewer
-        slices (it stays None for later reads). InvalidValue for a buffer too small."""
+        slices (it stays None for later reads), or whose buffer is None (skipped).
+        InvalidValue for a buffer too small; with ``exact``, a range of another size than its
+        buffer is None instead, and a value held here copies nothing into it."""
         if len(buffers) != len(self.keys):
             raise InvalidValue(f"{len(self.keys)} values but {len(buffers)} buffers")
         results: list[int | None] = [None] * len(self.keys)
         verify, gone = self._verify, self._gone
         for j, held in enumerate(self._held):
-            if held is None or j in gone:
+            if held is None or j in gone or buffers[j] is None:
                 continue
             view, table = held
             if first + count > table.count:
@@ -109,6 +116,9 @@ class ObjectReader:
             else:
                 offset, length = table.span(first, count)
             dst = buffer_view(buffers[j], writable=True)
+            if exact and len(dst) != length:
+                self._gone.add(j)
+                continue
             if len(dst) < length:
                 raise InvalidValue(f"buffer {j} holds {len(dst)} bytes, the range {length}")
             if length != len(dst):
@@ -124,7 +134,14 @@ class ObjectReader:
                 continue
             results[j] = length
         for cid, idx in self._remote.items():
-            self._read_remote(cid, [j for j in idx if j not in gone], first, count, buffers, results)
+            self._read_remote(
+                cid, [j for j in idx if j not in gone and buffers[j] is not None], first, count, buffers, results
+            )
+        if exact:
+            for j, size in enumerate(results):
+                if size is not None and size != len(buffer_view(buffers[j])):
+                    results[j] = None
+                    self._gone.add(j)
         return results
 
     def _read_remote(self, cid: int, idx: list[int], first: int, count: int, buffers, results: list) -> None:

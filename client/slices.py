@@ -301,6 +301,15 @@ class ValueHasher:
         self._head = None
         return view[:0]
 
+    @property
+    def intact(self) -> bool:
+        """False for a sliced value a slice of which does not match its table (or is missing):
+        bytes no writer may store (a node refuses them), whatever checksum comes with them."""
+        table, slices = self._table, self._slices
+        if table is None or slices is None:
+            return True
+        return slices.complete and tuple(slices.digests()) == table.checksums
+
     def intdigest(self) -> int:
         if self._plain is None and self._slices is None:  # shorter than a header could be
             self._plain = _Hasher(bytes(self._head or b""))
@@ -309,8 +318,7 @@ class ValueHasher:
         table, slices = self._table, self._slices
         assert table is not None and slices is not None and self._head is not None
         declared = _xxh3(self._head)
-        intact = slices.complete and tuple(slices.digests()) == table.checksums
-        return declared if intact else declared ^ FLIP
+        return declared if self.intact else declared ^ FLIP
 
 
 __all__ = [

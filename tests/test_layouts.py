@@ -10,6 +10,7 @@ import xxhash
 torch = pytest.importorskip("torch")
 
 from kvstore_client import Client, LayoutMismatch  # noqa: E402
+from kvstore_client.slices import parse_header  # noqa: E402
 from kvstore_client.vllm.layouts import (  # noqa: E402
     KV_CACHE_LAYOUTS,
     describe,
@@ -17,7 +18,7 @@ from kvstore_client.vllm.layouts import (  # noqa: E402
     layout_format,
     permuted_strides,
 )
-from kvstore_client.vllm.naming import KVLayout, PoolNaming  # noqa: E402
+from kvstore_client.vllm.naming import VALUE_FORMAT, KVLayout, PoolNaming  # noqa: E402
 from kvstore_client.vllm.plans import BlockTransfer  # noqa: E402
 from kvstore_client.vllm.transfer import LayerwiseTransfers  # noqa: E402
 from tests.processes import start_master, start_node  # noqa: E402
@@ -97,10 +98,17 @@ def move(pool: str, tag: str, source: str, target: str, src_blocks=(1, 4), dst_b
         for layer in range(LAYERS):
             loader.wait_layer(layer)
         assert loader.take_load_failures() == set()
-        stored = [client.get(key) for key in names.keys(0, hashes)]
+        stored = [parse_and_slice(client.get(key), 0) for key in names.keys(hashes)]
         saver.close()
         loader.close()
     return src, src_axis, dst, dst_axis, stored, src_layouts[0]
+
+
+def parse_and_slice(value: bytes, layer: int) -> bytes:
+    """Layer ``layer``'s slice of a stored block (a sliced value: kvstore_client.slices)."""
+    table = parse_header(value)
+    offset, length = table.span(layer)
+    return value[offset : offset + length]
 
 
 def block(tensors, axis: int, layer: int, b: int):
@@ -115,7 +123,7 @@ def test_layout_blocks_round_trip_through_the_pool(pool, name):
             assert torch.equal(block(src, axis, layer, s), block(dst, axis, layer, d))
         for untouched in (1, 2, 3, 4):
             assert not block(dst, axis, layer, untouched).any()
-    # what the pool holds is the block's bytes in the format's order: its axes by stride, outermost first
+    # what the pool holds of a layer is the block's bytes in the format's order: its axes by stride, outermost first
     view = block(src, axis, 0, 1)
     order = sorted(range(view.dim()), key=lambda i: view.stride(i), reverse=True)
     assert stored[0] == view.permute(order).contiguous().view(torch.uint8).numpy().tobytes()
@@ -166,7 +174,7 @@ def test_layout_incompatible_layouts_are_refused_and_never_share_keys(pool, sour
     with pytest.raises(LayoutMismatch):
         src_layouts[0].format.check_readable_as(dst_layouts[0].format)
     a, b = naming("same-model", src_layouts[0].format.name()), naming("same-model", dst_layouts[0].format.name())
-    assert a.namespaces[0] != b.namespaces[0]
+    assert a.namespace != b.namespace
 
 
 def test_layout_which_ones_store_blocks_in_one_run():
@@ -237,7 +245,7 @@ def test_layout_shapes_are_identified_from_the_kv_spec():
         )  # every other element: no axis is dense
 
 
-def test_layout_the_cpu_backends_keys_are_what_they_were():
+def test_layout_the_cpu_backends_keys_carry_no_byte_order_field():
     layout = KVLayout(
         model="m",
         revision="r",
@@ -250,5 +258,5 @@ def test_layout_the_cpu_backends_keys_are_what_they_were():
         device="cpu",
         hash_algo="sha256",
     )
-    fields = ("m", "r", "torch.float32/auto", 16, 2, 32, 2, 1, 0, "cpu", "sha256")
+    fields = (VALUE_FORMAT, "m", "r", "torch.float32/auto", 16, 2, 32, 2, 1, 0, "cpu", "sha256")
     assert layout.fingerprint(0) == xxhash.xxh3_64_hexdigest("\x1f".join(map(str, fields)).encode())

@@ -13,7 +13,7 @@ import pytest
 from kvstore.node.config import StoreConfig
 from kvstore.node.store import BlockStore
 from kvstore.transport.server import DataPlaneServer
-from kvstore_client.errors import BufferTooSmall, InvalidValue
+from kvstore_client.errors import BufferTooSmall, ChecksumMismatch, InvalidValue
 from kvstore_client.slices import encode, parse_header, value_checksum
 from kvstore_client.shm import ShmConnection
 from kvstore_client.transport import TcpConnection, UnixConnection
@@ -186,3 +186,18 @@ def test_random_ranges_of_random_values(conn):
     buffers = [bytearray(len(w)) for w in want]
     sizes, errors = conn.read_ranges(keys, ranges, buffers)
     assert not errors and [bytes(b) for b in buffers] == want and sizes == [len(w) for w in want]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_a_sliced_value_whose_slices_do_not_match_its_table_is_refused(node, transport):
+    """A PUT's bytes are hashed as they land, slices included. (Same-host writers copy into the
+    arena themselves and are trusted with their checksums, as for any value: readers of a
+    range check it.)"""
+    _, server = node
+    conn = TcpConnection(server.address) if transport == "tcp" else UnixConnection(server.unix_path)
+    value = bytearray(encode(parts_of(3)))
+    value[-1] ^= 0x01  # the writer's own bytes disagree with its table
+    with pytest.raises(ChecksumMismatch):
+        conn.put(("ns", b"inconsistent"), bytes(value))  # whatever checksum it declares (its own: flipped)
+    assert conn.get(("ns", b"inconsistent")) is None
+    conn.close()

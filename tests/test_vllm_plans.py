@@ -206,12 +206,32 @@ LAYOUT = KVLayout(
 )
 
 
-def test_each_layer_and_rank_has_its_own_namespace_and_hashes_are_the_digests():
+def test_each_rank_has_its_own_namespace_and_hashes_are_the_digests():
     rank0, rank1 = PoolNaming("acme", LAYOUT, 0), PoolNaming("acme", LAYOUT, 1)
-    assert len(set(rank0.namespaces) | set(rank1.namespaces)) == 6
-    assert all(ns.startswith("acme/Llama-3-8B-") and ns.endswith(f"/layer{i}") for i, ns in enumerate(rank0.namespaces))
-    assert rank0.keys(2, [b"h1", b"h2"]) == [(rank0.namespaces[2], b"h1"), (rank0.namespaces[2], b"h2")]
-    assert rank0.last_layer == 2
+    assert rank0.namespace != rank1.namespace
+    assert rank0.namespace.startswith("acme/Llama-3-8B-") and rank0.namespace.count("/") == 1
+    assert rank0.keys([b"h1", b"h2"]) == [(rank0.namespace, b"h1"), (rank0.namespace, b"h2")]
+    assert rank0.layers == 3
+
+
+def test_an_mla_model_shares_one_namespace_across_ranks_and_parallel_sizes():
+    from dataclasses import replace
+
+    mla = replace(LAYOUT, mla=True, num_kv_heads=1, head_size=576)
+    names = {PoolNaming("acme", replace(mla, tp_size=tp), rank).namespace for tp in (1, 2, 8) for rank in range(tp)}
+    assert len(names) == 1
+    assert (
+        PoolNaming("acme", mla).namespace
+        != PoolNaming("acme", replace(LAYOUT, num_kv_heads=1, head_size=576)).namespace
+    )
+
+
+def test_the_value_format_is_in_every_fingerprint(monkeypatch):
+    from kvstore_client.vllm import naming
+
+    before = PoolNaming("acme", LAYOUT).namespace
+    monkeypatch.setattr(naming, "VALUE_FORMAT", "another")
+    assert PoolNaming("acme", LAYOUT).namespace != before
 
 
 @pytest.mark.parametrize(
@@ -232,9 +252,7 @@ def test_each_layer_and_rank_has_its_own_namespace_and_hashes_are_the_digests():
 def test_anything_that_changes_the_bytes_changes_the_namespace(field, value):
     from dataclasses import replace
 
-    assert (
-        PoolNaming("vllm", replace(LAYOUT, **{field: value})).namespaces[0] != PoolNaming("vllm", LAYOUT).namespaces[0]
-    )
+    assert PoolNaming("vllm", replace(LAYOUT, **{field: value})).namespace != PoolNaming("vllm", LAYOUT).namespace
 
 
 def test_model_tags_are_short_and_tame():

@@ -43,16 +43,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-from kvstore_client.errors import ConfigError, KVStoreError
+from kvstore_client.errors import ConfigError
 from kvstore_client.vllm.cpu_amx import permit_amx
-from kvstore_client.vllm.layouts import describe, identify, layout_format
+from kvstore_client.vllm.layouts import describe, identify, layout_format, mla_format
+from kvstore_client.vllm.lookup import PrefixLookup, warm_up
 from kvstore_client.vllm.naming import KVLayout, PoolNaming
 from kvstore_client.vllm.plans import RequestPlans, StepPlan
 from kvstore_client.vllm.settings import read_settings
 from kvstore_client.vllm.transfer import LayerwiseTransfers
-from kvstore_client.vllm_hashing import prompt_tail, tail_hash
+from kvstore_client.vllm_hashing import VLLMBlockHasher, prompt_tail, tail_hash
 
 if TYPE_CHECKING:
     import torch
@@ -81,21 +82,25 @@ def layer_order(layer_names) -> list[str]:
 
 
 def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> FullAttentionSpec:
-    """The one full-attention KV spec the connector handles; ConfigError for anything else."""
-    model = vllm_config.model_config
+    """The one full-attention KV spec the connector handles (MLA's included); ConfigError for
+    anything else."""
     parallel = vllm_config.parallel_config
-    if getattr(model, "use_mla", False):
-        raise ConfigError("KVStoreConnector does not support MLA models yet")
     if parallel.pipeline_parallel_size > 1:
         raise ConfigError("KVStoreConnector does not support pipeline parallelism")
     if getattr(parallel, "decode_context_parallel_size", 1) > 1:
         raise ConfigError("KVStoreConnector does not support decode context parallelism")
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) not in (FullAttentionSpec, MLAAttentionSpec):
         kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
         raise ConfigError(
-            f"KVStoreConnector supports models whose layers are all full attention, not {kinds} "
+            f"KVStoreConnector supports models whose layers are all full attention (MLA included), not {kinds} "
             "(hybrid, sliding-window and state-space models are not supported)"
+        )
+    spec = groups[0].kv_cache_spec
+    if isinstance(spec, MLAAttentionSpec) and (spec.model_version or spec.alignment or spec.head_size_v):
+        raise ConfigError(
+            "KVStoreConnector supports MLA caches of one latent vector per token (DeepSeek-V2/V3, Kimi K2), "
+            f"not model_version {spec.model_version!r} (DeepSeek-V4's sparse caches)"
         )
     algo = vllm_config.cache_config.prefix_caching_hash_algo
     if algo in UNSEEDED_HASHES and os.environ.get("PYTHONHASHSEED") is None:
@@ -110,6 +115,8 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
 def expected_format(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", spec: FullAttentionSpec):
     """The block format this engine's KV caches store, from its resolved KV cache layout (the
     CPU backend's, LBHNC, when none is recorded; the workers check their tensors against it)."""
+    if isinstance(spec, MLAAttentionSpec):
+        return mla_format(spec.block_size, spec.head_size, str(spec.dtype))
     name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
         vllm_config.cache_config, "kv_cache_layout", None
     )
@@ -133,6 +140,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         from vllm.platforms import current_platform
 
         self._spec = spec
+        self._mla = isinstance(spec, MLAAttentionSpec)
         self._layer_names = layer_order(kv_cache_config.kv_cache_groups[0].layer_names)
         self._format = expected_format(vllm_config, kv_cache_config, spec)
         layout = KVLayout(
@@ -146,7 +154,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             tp_size=vllm_config.parallel_config.tensor_parallel_size,
             device=current_platform.device_type,
             hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
-            block_format="" if self._format.is_canonical() else self._format.name(),
+            block_format="" if self._format.is_canonical() and not self._mla else self._format.name(),
+            mla=self._mla,
         )
         from kvstore_client.client import Client
 
@@ -168,7 +177,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._announcement = EngineAnnouncement(
                     self._client,
                     self._settings,
-                    self._naming.namespaces[self._naming.last_layer],
+                    self._naming.namespace,
                     block_size=spec.block_size,
                     hash_algo=layout.hash_algo,
                     hash_seed=os.environ.get("PYTHONHASHSEED"),
@@ -182,7 +191,13 @@ class KVStoreConnector(KVConnectorBase_V1):
 
             self._naming = PoolNaming(self._settings.namespace, layout, tp_rank=get_tensor_model_parallel_rank())
             self._layer_index = {name: i for i, name in enumerate(self._layer_names)}
-        self._lookup_failed = False
+        self._hash_algo = layout.hash_algo
+        self._lookup = PrefixLookup(
+            lambda keys, budget: self._client.match_prefix(keys, timeout=budget).longest,
+            self._settings.lookup_timeout,
+        )
+        if role == KVConnectorRole.SCHEDULER:
+            warm_up(self._client)
 
     # ==== worker side ========================================================================
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
@@ -203,7 +218,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             layers.append(tensor)
         if any(tensor.device.type == "cpu" for tensor in layers):
             permit_amx()  # before the first step, which may be a loaded prompt's last token (see cpu_amx)
-        self._transfers = LayerwiseTransfers(self._client, self._naming, layers, layouts, block_format=self._format)
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        save = not self._mla or get_tensor_model_parallel_rank() == 0  # MLA: every rank holds the same KV
+        self._transfers = LayerwiseTransfers(
+            self._client, self._naming, layers, layouts, block_format=self._format, save=save
+        )
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -245,11 +265,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     # ==== scheduler side =====================================================================
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         full = self._plans.full_blocks(request.num_prompt_tokens)
-        hashes = request.block_hashes[:full]
+        hashes = self._prompt_hashes(request)[:full]
         tail = self._tail(request, hashes) if len(hashes) == full else None
         chain = hashes + [tail] if tail is not None else hashes  # the pool holds the tail iff all of it hits
         # the lookup serves loading, and saving too: blocks the pool has are not sent again
-        pool_blocks = self._lookup(chain) if chain and (self._settings.load or self._settings.save) else 0
+        wanted = chain and (self._settings.load or self._settings.save)
+        pool_blocks = self._lookup(self._naming.keys(chain)) if wanted else 0
         self._plans.remember_hit(request.request_id, pool_blocks, num_computed_tokens, tail)
         if self._announcement is not None:
             self._announcement.tracker.seen(request)
@@ -266,20 +287,27 @@ class KVStoreConnector(KVConnectorBase_V1):
         tokens = prompt_tail(request.prompt_token_ids, self._spec.block_size)
         return None if tokens is None else tail_hash(bytes(hashes[-1]), tokens)
 
-    def _lookup(self, hashes: list[bytes]) -> int:
-        """Leading blocks of ``hashes`` the pool holds (0 when it cannot be asked)."""
-        try:
-            found = self._client.match_prefix(self._naming.keys(self._naming.last_layer, hashes)).longest
-        except (KVStoreError, OSError) as exc:
-            if not self._lookup_failed:
-                log.warning("kvstore: prefix lookup failed (%s): computing without the pool until it answers", exc)
-            self._lookup_failed = True
-            return 0
-        self._lookup_failed = False
-        return found
+    def _prompt_hashes(self, request: "Request") -> list:
+        """vLLM's block hashes of the request (a live list that grows with its tokens); where vLLM
+        computed fewer than the prompt's full blocks (an engine with prefix caching off, on some
+        versions), the prompt's computed here the same way (``VLLMBlockHasher``: not for LoRA
+        or multimodal requests, whose hashes fold in more than the tokens)."""
+        hashes = request.block_hashes
+        full = self._plans.full_blocks(request.num_prompt_tokens)
+        if len(hashes) >= full or request.prompt_token_ids is None or request.mm_features or request.lora_request:
+            return hashes
+        hasher = VLLMBlockHasher(
+            self._spec.block_size,
+            algo=self._hash_algo,
+            seed=os.environ.get("PYTHONHASHSEED"),
+            cache_salt=request.cache_salt,
+        )
+        return hasher.hashes(request.prompt_token_ids)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        self._plans.allocated(request.request_id, request.block_hashes, request.num_prompt_tokens, num_external_tokens)
+        self._plans.allocated(
+            request.request_id, self._prompt_hashes(request), request.num_prompt_tokens, num_external_tokens
+        )
         if self._announcement is not None:
             self._announcement.tracker.allocated(request)
 

@@ -13,9 +13,13 @@ Families, named by the logical axes of one layer's cache tensor:
 - ``flash_attn``: earlier vLLM's FlashAttention cache, ``(2, B, N, H, D)``: K and V of a
   block lie in two runs;
 - ``flashinfer``: earlier vLLM's FlashInfer cache, ``(B, 2, N, H, D)``, with the NHD stride
-  order (as shaped) or HND (``get_kv_cache_stride_order``: H outer of N in memory).
+  order (as shaped) or HND (``get_kv_cache_stride_order``: H outer of N in memory);
+- ``mla``: an MLA model's cache (DeepSeek-V2/V3, Kimi K2: vLLM's MLA backends),
+  ``(B, N, D)``, one latent vector of ``D`` (the KV LoRA rank plus the rope dimensions) per
+  token, the same on every tensor-parallel rank.
 
-One value in the pool is one block of one layer: the block's bytes in memory order (its
+What the pool holds of one layer of one block (a slice of the block's value,
+``kvstore_client.vllm.naming``) is the block's bytes in memory order (its
 runs, lowest address first, concatenated). Its ``BlockFormat`` is the block's axes in that
 order with their sizes (C counted as KV x D, axes of size 1 left out, since they do not
 change the order), plus the dtype: two layouts with the same format hold the same bytes for
@@ -35,6 +39,7 @@ FAMILIES = {
     "vllm": ("B", "H", "N", "C"),
     "flash_attn": ("KV", "B", "N", "H", "D"),
     "flashinfer": ("B", "KV", "N", "H", "D"),
+    "mla": ("B", "N", "D"),
 }
 CANONICAL_ORDER = ("H", "N", "KV", "D")  # the CPU backend's (LBHNC) order: its keys carry no format
 # KVCacheLayout names -> physical order of the logical axes (L, B, H, N, C), as vLLM defines them
@@ -169,6 +174,11 @@ def layout_format(name: str, num_kv_heads: int, block_size: int, head_size: int,
     return _format([sizes[d] for d in order if d in sizes and sizes[d][1] > 1], head_size, dtype)
 
 
+def mla_format(block_size: int, head_size: int, dtype: str) -> BlockFormat:
+    """The format of an MLA cache's block (``mla`` family): tokens, then the latent vector."""
+    return BlockFormat(tuple((axis, n) for axis, n in (("N", block_size), ("D", head_size)) if n > 1), dtype)
+
+
 def identify(shape, num_blocks: int, num_kv_heads: int, block_size: int, head_size: int) -> str:
     """Which family a layer tensor of ``shape`` is, given the engine's KV spec; LayoutMismatch
     when it is none of them (a ``vllm`` tensor whose blocks vLLM split into smaller kernel
@@ -180,6 +190,8 @@ def identify(shape, num_blocks: int, num_kv_heads: int, block_size: int, head_si
         return "flash_attn"
     if shape == (num_blocks, 2, block_size, num_kv_heads, head_size):
         return "flashinfer"
+    if num_kv_heads == 1 and shape == (num_blocks, block_size, head_size):
+        return "mla"
     raise LayoutMismatch(
         f"KV cache of shape {shape} is not a layout the connector knows for {num_blocks} blocks of "
         f"{block_size} tokens, {num_kv_heads} KV heads of size {head_size}"
@@ -205,5 +217,6 @@ __all__ = [
     "describe",
     "identify",
     "layout_format",
+    "mla_format",
     "permuted_strides",
 ]

@@ -1,4 +1,5 @@
-"""Where the vLLM connector keeps a block in the pool: one key per block per attention layer.
+"""Where the vLLM connector keeps a block in the pool: one key per block per rank (MLA: per
+block, for every rank), its value every layer's slab of that block, a slice per layer.
 
 A key is ``(namespace, digest)``:
 
@@ -7,18 +8,23 @@ A key is ``(namespace, digest)``:
 - the namespace names everything else that makes two engines' bytes for the same tokens
   differ, so that they never share a key::
 
-      <prefix>/<model tag>-<fingerprint>/layer<i>
+      <prefix>/<model tag>-<fingerprint>
 
   ``prefix`` is the user's namespace (``vllm`` by default; a tenant's name once the pool
-  checks tokens); the fingerprint is 16 hex digits of XXH3-64 over the model, its revision,
-  the KV dtype, block size, heads per rank, head size, layer count, tensor-parallel size and
-  rank, the device kind and the hash algorithm, and the block's byte order where it is not
-  the CPU backend's (``kvstore_client.vllm.layouts``: layouts that store blocks in another
-  order never share keys). The model tag is only there for people reading ``kvstore keys``.
+  checks tokens); the fingerprint is 16 hex digits of XXH3-64 over the value format, the
+  model, its revision, the KV dtype, block size, heads per rank, head size, layer count,
+  tensor-parallel size and rank, the device kind and the hash algorithm, and the block's
+  byte order where it is not the CPU backend's (``kvstore_client.vllm.layouts``: layouts
+  that store blocks in another order never share keys). An MLA model's latent KV is the
+  same on every rank, so its fingerprint leaves the parallelism out: one value serves every
+  rank, of any tensor-parallel size. The model tag is only there for people reading
+  ``kvstore keys``.
 
-One value is one block of one layer: the layer's slab of that block in the paged KV tensor,
-contiguous, so it moves with no copy and layer ``i`` can be saved as soon as its attention
-ends and loaded while layer ``i - 1`` computes.
+One value is a sliced value (``kvstore_client.slices``): slice ``i`` is layer ``i``'s slab
+of the block in the paged KV tensor, so layer ``i`` is written as soon as its attention ends
+and read while layer ``i - 1`` computes; the value is published, and so found by a lookup,
+only once every layer is in. ``VALUE_FORMAT`` is in every fingerprint: values of another
+format simply miss.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from dataclasses import dataclass
 import xxhash
 
 from kvstore_client.keys import BlockKey, check_namespace
+
+VALUE_FORMAT = "sliced-layers-1"  # what one value holds: see the module docstring
 
 
 @dataclass(frozen=True)
@@ -46,9 +54,12 @@ class KVLayout:
     device: str
     hash_algo: str
     block_format: str = ""  # the byte order of a stored block, when not the CPU backend's (layouts.py)
+    mla: bool = False  # one latent vector per token, the same on every tensor-parallel rank
 
     def fingerprint(self, tp_rank: int) -> str:
+        parallel: tuple[object, ...] = ("mla",) if self.mla else (self.tp_size, tp_rank)
         fields: tuple[object, ...] = (
+            VALUE_FORMAT,
             self.model,
             self.revision,
             self.kv_dtype,
@@ -56,12 +67,11 @@ class KVLayout:
             self.num_kv_heads,
             self.head_size,
             self.num_layers,
-            self.tp_size,
-            tp_rank,
+            *parallel,
             self.device,
             self.hash_algo,
         )
-        if self.block_format:  # only then: the keys of the CPU backend's order stay as they were
+        if self.block_format:  # only where it is not the CPU backend's order
             fields += (self.block_format,)
         return xxhash.xxh3_64_hexdigest("\x1f".join(map(str, fields)).encode())
 
@@ -73,18 +83,12 @@ def model_tag(model: str) -> str:
 
 
 class PoolNaming:
-    """The namespaces (one per layer) and keys of one engine rank's blocks."""
+    """The namespace and keys of one engine rank's blocks."""
 
     def __init__(self, prefix: str, layout: KVLayout, tp_rank: int = 0):
-        base = f"{prefix}/{model_tag(layout.model)}-{layout.fingerprint(tp_rank)}"
-        self.namespaces = [check_namespace(f"{base}/layer{i}") for i in range(layout.num_layers)]
+        self.namespace = check_namespace(f"{prefix}/{model_tag(layout.model)}-{layout.fingerprint(tp_rank)}")
+        self.layers = layout.num_layers
 
-    def keys(self, layer: int, hashes: list[bytes]) -> list[BlockKey]:
-        namespace = self.namespaces[layer]
+    def keys(self, hashes: list[bytes]) -> list[BlockKey]:
+        namespace = self.namespace
         return [(namespace, h) for h in hashes]
-
-    @property
-    def last_layer(self) -> int:
-        """The layer looked up to decide a hit: saved last, so its presence means the block's
-        every layer was sent (a layer lost since is a load error, and vLLM recomputes)."""
-        return len(self.namespaces) - 1

@@ -14,6 +14,10 @@ Keys (all optional but ``master``):
   pool computes only its last token (default true; never for multimodal or prompt-embeds
   requests, whose KV the tokens alone do not name);
 - ``timeout``: seconds one pool call may take before it counts as failed (default 10);
+- ``lookup_timeout``: seconds the scheduler's prefix lookup may take (default 0.01): past
+  it the request is scheduled as a miss, and after ``LOOKUP_FAILURES`` failed lookups in a row
+  the pool is not asked for a while (``kvstore_client.vllm.lookup``), so a master that hangs
+  never stalls vLLM's scheduler;
 - ``role``: ``prefill``, ``decode`` or ``both``: register the engine with the master's conductor
   in that role, report its load and announce it to ``kvstore router`` (default: none, the
   engine serves on its own); needs ``engine_url``;
@@ -39,6 +43,7 @@ KNOWN_KEYS = {
     "save_decode",
     "partial_blocks",
     "timeout",
+    "lookup_timeout",
     "role",
     "engine_url",
     "engine_id",
@@ -56,6 +61,7 @@ class ConnectorSettings:
     save_decode: bool = False
     partial_blocks: bool = True
     timeout: float = 10.0
+    lookup_timeout: float = 0.01
     role: str | None = None  # prefill, decode, both; None: not registered with the conductor
     engine_url: str | None = None
     engine_id: str | None = None  # engine_url unless set
@@ -69,6 +75,18 @@ def _flag(extra: Mapping[str, Any], name: str, default: bool) -> bool:
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
         return value.lower() in ("true", "1", "yes")
     raise ConfigError(f"kv_connector_extra_config[{name!r}] must be true or false, not {value!r}")
+
+
+def _seconds(extra: Mapping[str, Any], name: str, default: float) -> float:
+    """A positive number of seconds; ConfigError naming the key otherwise."""
+    value = extra.get(name, default)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv_connector_extra_config[{name!r}] must be a number, not {value!r}") from None
+    if not seconds > 0:
+        raise ConfigError(f"kv_connector_extra_config[{name!r}] must be positive")
+    return seconds
 
 
 def read_settings(extra: Mapping[str, Any] | None, kv_role: str | None) -> ConnectorSettings:
@@ -87,12 +105,8 @@ def read_settings(extra: Mapping[str, Any] | None, kv_role: str | None) -> Conne
         raise ConfigError(f"kv_connector_extra_config['namespace']: {exc}") from None
     if "/" in namespace:
         raise ConfigError("kv_connector_extra_config['namespace'] may not contain '/'")
-    try:
-        timeout = float(extra.get("timeout", 10.0))
-    except (TypeError, ValueError):
-        raise ConfigError(f"kv_connector_extra_config['timeout'] must be a number, not {extra['timeout']!r}") from None
-    if not timeout > 0:
-        raise ConfigError("kv_connector_extra_config['timeout'] must be positive")
+    timeout = _seconds(extra, "timeout", 10.0)
+    lookup_timeout = _seconds(extra, "lookup_timeout", 0.01)
     role = extra.get("role")
     if role is not None and role not in ROLES:
         raise ConfigError(f"kv_connector_extra_config['role'] must be one of {', '.join(ROLES)}, not {role!r}")
@@ -115,14 +129,7 @@ def read_settings(extra: Mapping[str, Any] | None, kv_role: str | None) -> Conne
         raise ConfigError(
             f"kv_connector_extra_config['engine_id'] must be a non-empty string without '#', not {engine_id!r}"
         )
-    try:
-        interval = float(extra.get("load_report_interval", 0.5))
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"kv_connector_extra_config['load_report_interval'] must be a number, not {extra['load_report_interval']!r}"
-        ) from None
-    if not interval > 0:
-        raise ConfigError("kv_connector_extra_config['load_report_interval'] must be positive")
+    interval = _seconds(extra, "load_report_interval", 0.5)
     if kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
         raise ConfigError(f"kv_role must be kv_both, kv_producer or kv_consumer, not {kv_role!r}")
     return ConnectorSettings(
@@ -133,6 +140,7 @@ def read_settings(extra: Mapping[str, Any] | None, kv_role: str | None) -> Conne
         save_decode=_flag(extra, "save_decode", False),
         partial_blocks=_flag(extra, "partial_blocks", True),
         timeout=timeout,
+        lookup_timeout=lookup_timeout,
         role=role,
         engine_url=engine_url.rstrip("/") if engine_url else None,
         engine_id=engine_id,

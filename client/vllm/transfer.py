@@ -1,20 +1,25 @@
 """The worker side's data movement: one step's blocks between the pool and the paged KV
 tensors, layer by layer, on two threads of its own so that it overlaps the model.
 
-- Loads: ``start`` hands the step's loads to the loader thread, which fetches layer 0's
-  blocks of every request, then layer 1's, and so on, setting an event per layer;
-  attention of layer ``i`` waits for event ``i`` only, so layer ``i + 1`` moves while layer
-  ``i`` computes. A block the pool no longer has (evicted, its node gone) is a load error:
-  vLLM recomputes it and everything after it. Every event is set whatever happens, so
-  nothing waits forever, and no copy lands after ``finish_loads`` returns.
-- Saves: ``save_layer`` queues a layer's new full blocks as soon as its attention ends; the
-  saver thread puts them without waiting for the node's answer (the bytes leave the tensor
-  before the call returns), and ``finish_saves`` collects the answers before vLLM may reuse
-  the blocks. A save that fails costs a later miss, never the request.
+One value in the pool holds one block of every layer, a slice per layer
+(``kvstore_client.vllm.naming``):
 
-Bytes move straight between the pool and each block's slab of the tensor when the layout
-keeps a block in one run (``LayerSlabs``): ``get_into`` writes into it, ``put`` reads a view
-of it; other layouts gather and scatter through one buffer per block.
+- Loads: ``start`` hands the step's loads to the loader thread, which holds the step's
+  values (``Client.read_objects``: on this host, leased once), then copies slice 0 of every
+  one into layer 0's slabs, then slice 1, and so on, setting an event per layer; attention
+  of layer ``i`` waits for event ``i`` only, so layer ``i + 1`` moves while layer ``i``
+  computes. A block the pool no longer has (evicted, its node gone, damaged) is a load
+  error: vLLM recomputes it and everything after it. Every event is set whatever happens,
+  so nothing waits forever, and no copy lands after ``finish_loads`` returns.
+- Saves: the step's first ``save_layer`` opens a value for each new full block
+  (``Client.open_objects``: arena space on this host); each layer's slabs are written into
+  them as soon as its attention ends, on the saver thread; ``finish_saves`` completes them
+  (published only then, with every layer in) before vLLM may reuse the blocks. A save that
+  fails costs a later miss, never the request.
+
+Bytes move straight between each block's slab of the tensor and its slice when the layout
+keeps a block in one run (``LayerSlabs``); other layouts gather and scatter through one
+buffer per block.
 
 KV caches in GPU memory: the loader and the saver each run their copies on a CUDA stream of
 their own, so they overlap the engine's kernels. ``start`` records an event on the engine's
@@ -45,8 +50,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TransferStats:
-    """Blocks (one layer each) moved and failed since start, the bytes loaded and the seconds the
-    loader spent on them (one step's loads, first layer to last), for logs and benchmarks."""
+    """Since start: block layers loaded (``loaded``, ``load_failures``: a block per layer),
+    blocks saved (``saved``, ``save_failures``: a value of every layer each), the bytes loaded
+    and the seconds the loader spent on them (one step's loads, first layer to last), for
+    logs and benchmarks."""
 
     loaded: int = 0
     load_failures: int = 0
@@ -134,7 +141,9 @@ class LayerwiseTransfers:
 
     ``layers``: each layer's paged KV tensor, in order; ``layouts``: their ``LayerLayout``s
     (default: dimension 0 is the block, each block contiguous); ``block_format``: the format
-    the keys of ``naming`` hold, which every layer must store (LayoutMismatch otherwise)."""
+    the keys of ``naming`` hold, which every layer must store (LayoutMismatch otherwise);
+    ``save``: whether this rank stores what it computes (an MLA model's ranks hold the same
+    KV: one of them stores it)."""
 
     def __init__(
         self,
@@ -143,6 +152,7 @@ class LayerwiseTransfers:
         layers: list,
         layouts: list[LayerLayout] | None = None,
         block_format: BlockFormat | None = None,
+        save: bool = True,
     ):
         self._client = client
         self._naming = naming
@@ -161,7 +171,12 @@ class LayerwiseTransfers:
         self._layer_events: list = []  # CUDA: an event per loaded layer, on the load stream
         self._load_job: Future | None = None
         self._failed_blocks: set[int] = set()
+        self._load_order: list[tuple[int, bytes]] = []  # the step's blocks, in the reader's order
         self._save_jobs: list[Future] = []
+        self._save = save
+        self._writer = None  # the step's open values (an ObjectWriter), on the saver thread
+        self._step_blocks = 0  # how many blocks the step saves
+        self._slice_lengths = [slabs.nbytes for slabs in self._slabs]
         self.stats = TransferStats()
 
     def _streams(self):
@@ -232,12 +247,20 @@ class LayerwiseTransfers:
 
     def _load(self, loads: list[BlockTransfer], events: list[threading.Event], ready) -> None:
         todo = [(block_id, h) for t in loads for block_id, h in zip(t.block_ids, t.hashes)]
+        self._load_order = todo
         start = time.perf_counter()
+        reader = None
         try:
+            try:
+                reader = self._client.read_objects(self._naming.keys([h for _, h in todo]), slices=len(self._slabs))
+            except (KVStoreError, OSError) as exc:
+                log.warning("kvstore: finding %d blocks in the pool failed (%s): vLLM recomputes them", len(todo), exc)
+                self._failed_blocks.update(block_id for block_id, _ in todo)
+                todo = []
             self._after(ready)  # kernels the engine queued before this step may still use the blocks
             for layer, slabs in enumerate(self._slabs):
                 try:
-                    todo = self._load_layer(layer, slabs, todo)
+                    todo = self._load_layer(layer, slabs, reader, todo)
                 finally:
                     self._layer_events[layer] = self._event_now()  # on the load stream
                     events[layer].set()
@@ -247,26 +270,34 @@ class LayerwiseTransfers:
             last = self._layer_events[-1] if self._layer_events else None
             if last is not None:
                 last.synchronize()  # scatters still queued end before finish_loads returns
+            if reader is not None:
+                reader.close()
             self.stats.load_seconds += time.perf_counter() - start
 
-    def _load_layer(self, layer: int, slabs: LayerSlabs, todo: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
-        """Load one layer of the blocks still good; the blocks still good after it."""
+    def _load_layer(self, layer: int, slabs: LayerSlabs, reader, todo: list[tuple[int, bytes]]):
+        """Load one layer (slice ``layer`` of each value, in the reader's order) of the blocks
+        still good; the blocks still good after it."""
         if not todo:
             return todo
-        keys = self._naming.keys(layer, [h for _, h in todo])
         whole = slabs.layout.contiguous_blocks
-        buffers = [slabs[block_id] if whole else slabs.staging() for block_id, _ in todo]
+        good = dict(todo)
+        order = self._load_order
+        buffers = [
+            None if block_id not in good else slabs[block_id] if whole else slabs.staging() for block_id, _ in order
+        ]
         try:
-            got = self._client.batch_get_into(keys, buffers)
+            got = reader.read_into(layer, buffers, exact=True)
         except (KVStoreError, OSError) as exc:
             log.warning(
                 "kvstore: loading layer %d of %d blocks failed (%s): vLLM recomputes them", layer, len(todo), exc
             )
-            got = [None] * len(todo)
+            got = [None] * len(buffers)
         kept = []
         slab_bytes = slabs.nbytes
-        for (block_id, h), size, buffer in zip(todo, got, buffers):
-            if size != slab_bytes:  # missing, or not this layout's block (a full slab or nothing)
+        for (block_id, h), size, buffer in zip(order, got, buffers):
+            if buffer is None:
+                continue
+            if size != slab_bytes:  # missing, damaged, or not this layout's block
                 self._failed_blocks.add(block_id)
             else:
                 if not whole:
@@ -281,44 +312,52 @@ class LayerwiseTransfers:
     def save_layer(self, layer: int, saves: list[BlockTransfer]) -> None:
         """Queue layer ``layer`` of ``saves`` for storing; returns at once (on a GPU, the copies
         wait for what the engine queued so far: the layer's attention)."""
-        if saves:
+        if saves and self._save:
             self._save_jobs.append(self._saver.submit(self._save_layer, layer, saves, self._event_now()))
 
     def finish_saves(self) -> None:
-        """Wait until every queued save is stored or known failed (vLLM may then free the blocks)."""
+        """Wait until every queued save is written, then publish the step's values (vLLM may
+        then free the blocks). A value missing a layer is given up: a later miss."""
         if not self._save_jobs:
             return
         jobs, self._save_jobs = self._save_jobs, []
         for job in jobs:
             job.result()
-        self._saver.submit(self._collect_answers).result()
+        self._saver.submit(self._complete).result()
 
     def _save_layer(self, layer: int, saves: list[BlockTransfer], ready=None) -> None:
         slabs = self._slabs[layer]
         self._after(ready)
-        for t in saves:
-            try:
-                self._client.batch_put(
-                    self._naming.keys(layer, t.hashes),
-                    slabs.to_save(t.block_ids),
-                    depths=range(t.first_index, t.first_index + len(t.block_ids)),
-                    wait=False,
-                )
-                self.stats.saved += len(t.block_ids)
-            except (KVStoreError, OSError) as exc:
-                self.stats.save_failures += len(t.block_ids)
-                log.warning("kvstore: saving layer %d of %d blocks failed: %s", layer, len(t.block_ids), exc)
-
-    def _collect_answers(self) -> None:
-        """Read the nodes' answers to the puts sent (on the saver thread, which sent them)."""
+        block_ids = [block_id for t in saves for block_id in t.block_ids]
+        self._step_blocks = len(block_ids)
         try:
-            self._client.wait_for_puts()
-        except PutFailed as exc:
-            self.stats.saved -= len(exc.failures)
-            self.stats.save_failures += len(exc.failures)
-            log.warning("kvstore: %d block layers were not stored: %s", len(exc.failures), exc.failures[0][2])
+            if self._writer is None:  # the step's first layer: open a value for each block
+                keys = self._naming.keys([h for t in saves for h in t.hashes])
+                depths = [t.first_index + n for t in saves for n in range(len(t.block_ids))]
+                self._writer = self._client.open_objects(keys, self._slice_lengths, depths=depths)
+            self._writer.write(layer, slabs.to_save(block_ids))
         except (KVStoreError, OSError) as exc:
-            log.warning("kvstore: waiting for the pool's answers failed: %s", exc)
+            log.warning("kvstore: saving layer %d of %d blocks failed: %s", layer, len(block_ids), exc)
+
+    def _complete(self) -> None:
+        """Publish the step's values (on the saver thread, which opened them)."""
+        writer, self._writer = self._writer, None
+        blocks, self._step_blocks = self._step_blocks, 0
+        if writer is None:  # not even opened: the pool could not be reached
+            self.stats.save_failures += blocks
+            return
+        total = len(writer.keys)
+        try:
+            writer.complete()
+            self.stats.saved += total
+        except PutFailed as exc:
+            self.stats.saved += total - len(exc.failures)
+            self.stats.save_failures += len(exc.failures)
+            log.warning("kvstore: %d of %d blocks were not stored: %s", len(exc.failures), total, exc.failures[0][2])
+        except (KVStoreError, OSError) as exc:
+            self.stats.save_failures += total
+            log.warning("kvstore: storing %d blocks failed: %s", total, exc)
+            writer.abort()
 
     def close(self) -> None:
         try:

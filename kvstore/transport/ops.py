@@ -318,12 +318,13 @@ def _receive_block(conn: "Connection", key, depth: int, size: int):
     except BaseException:
         res.revoke()  # truncated frame or dead client: nothing half-written becomes visible
         raise
-    return res, hasher.intdigest()
+    return res, hasher.intdigest() if hasher.intact else None  # a sliced value must match its table
 
 
 def _committed(received: tuple, checksum: int) -> int:
     """Publish a received block whose bytes hash to the writer's ``checksum`` (without reading
-    them again); revoke it when they do not (CHECKSUM_MISMATCH)."""
+    them again); revoke it when they do not, or when it is a sliced value whose slices do not
+    match its table (CHECKSUM_MISMATCH)."""
     res, digest = received
     if digest != checksum:
         res.revoke()
