@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from kvstore_client.buffers import buffer_view
 from kvstore_client.errors import KVStoreError, LayoutMismatch, PutFailed
+from kvstore_client.objects import ObjectWriter
 from kvstore_client.vllm.layouts import BlockFormat, LayerLayout
 from kvstore_client.vllm.naming import PoolNaming
 from kvstore_client.vllm.plans import BlockTransfer
@@ -174,7 +175,7 @@ class LayerwiseTransfers:
         self._load_order: list[tuple[int, bytes]] = []  # the step's blocks, in the reader's order
         self._save_jobs: list[Future] = []
         self._save = save
-        self._writer = None  # the step's open values (an ObjectWriter), on the saver thread
+        self._writer: ObjectWriter | None = None  # the step's open values, on the saver thread
         self._step_blocks = 0  # how many blocks the step saves
         self._slice_lengths = [slabs.nbytes for slabs in self._slabs]
         self.stats = TransferStats()
@@ -331,11 +332,12 @@ class LayerwiseTransfers:
         block_ids = [block_id for t in saves for block_id in t.block_ids]
         self._step_blocks = len(block_ids)
         try:
-            if self._writer is None:  # the step's first layer: open a value for each block
+            writer = self._writer
+            if writer is None:  # the step's first layer: open a value for each block
                 keys = self._naming.keys([h for t in saves for h in t.hashes])
                 depths = [t.first_index + n for t in saves for n in range(len(t.block_ids))]
-                self._writer = self._client.open_objects(keys, self._slice_lengths, depths=depths)
-            self._writer.write(layer, slabs.to_save(block_ids))
+                writer = self._writer = self._client.open_objects(keys, self._slice_lengths, depths=depths)
+            writer.write(layer, slabs.to_save(block_ids))
         except (KVStoreError, OSError) as exc:
             log.warning("kvstore: saving layer %d of %d blocks failed: %s", layer, len(block_ids), exc)
 
