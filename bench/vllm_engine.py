@@ -9,7 +9,8 @@ JSON line it reads::
 with one JSON line: per prompt the output token ids, the top logprobs of each output token,
 ``num_cached_tokens`` (vLLM's count of prompt tokens it did not compute: its own prefix
 cache plus what the connector loaded) and the seconds ``generate`` took for the batch. It
-exits at end of input. ``make_llama`` writes a small random Llama for it to load (no hub).
+exits at end of input. ``make_llama`` writes a small random Llama for it to load (no hub),
+``make_deepseek`` a small random DeepSeek-V2 (MLA attention).
 """
 
 from __future__ import annotations
@@ -54,6 +55,54 @@ def make_llama(
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def make_deepseek(
+    path: str,
+    *,
+    hidden: int = 256,
+    layers: int = 3,
+    heads: int = 4,
+    vocab: int = 1000,
+    seed: int = 0,
+    init_scale: float = 0.05,
+) -> str:
+    """Save a randomly initialised DeepSeek-V2 at ``path`` (safetensors, fp32): MLA attention
+    with DeepSeek's shapes (KV LoRA rank 512 and rope dimensions 64: 576 values a token; heads
+    of 128 + 64 for q and k, 128 for v), dense MLPs. ``init_scale``: at ``make_llama``'s 0.1,
+    vLLM's CPU MLA kernels for one token (absorbed) and for a prompt (decompressed) disagree
+    on the next token of such a model; at 0.02 it repeats one token whatever the context."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=layers,  # every layer dense: no expert routing to run
+        max_position_embeddings=4096,
+        initializer_range=init_scale,
+        rope_scaling=None,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    DeepseekV2ForCausalLM(config).save_pretrained(path)
     return path
 
 
@@ -108,6 +157,7 @@ def build_engine(args: argparse.Namespace):
         kv_transfer_config=kv_transfer_config,
         tensor_parallel_size=args.tensor_parallel_size,
         seed=0,
+        **({"attention_config": {"backend": args.attention_backend}} if args.attention_backend else {}),
     )
 
 
@@ -160,12 +210,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--hash-algo", default="sha256", help="vLLM's --prefix-caching-hash-algo")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn vLLM's own prefix cache off")
+    parser.add_argument("--attention-backend", help="vLLM's attention backend (e.g. CPU_MLA); default: its choice")
     args = parser.parse_args(argv)
     out = os.fdopen(os.dup(1), "w")  # answers only: vLLM's own output goes to stderr
     os.dup2(2, 1)
     start = time.perf_counter()
     llm = build_engine(args)
-    out.write(json.dumps({"ready": True, "pid": os.getpid(), "start_seconds": time.perf_counter() - start}) + "\n")
+    cache = llm.llm_engine.vllm_config.cache_config  # what vLLM settled on (a backend may override)
+    ready = {"ready": True, "pid": os.getpid(), "start_seconds": time.perf_counter() - start}
+    ready.update(block_size=cache.block_size, prefix_caching=bool(cache.enable_prefix_caching))
+    out.write(json.dumps(ready) + "\n")
     out.flush()
     for line in sys.stdin:
         if line.strip():

@@ -38,10 +38,18 @@ import tempfile
 import time
 from contextlib import ExitStack
 
+from bench import load_path
 from bench.common import die_with_parent, emit, markdown_table
+from bench.load_path import GEOMETRIES, GiB, MiB, Geometry
 from bench.vllm_engine import EngineProcess, make_llama
 
-TARGETS = {"hit_vs_recompute_4k": 0.2, "load_vs_memcpy": 0.5, "save_overhead": 0.10}
+TARGETS = {
+    "hit_vs_recompute_4k": 0.2,
+    "load_vs_memcpy": 0.5,
+    "save_vs_memcpy": 0.4,
+    "save_overhead": 0.10,
+    "master_share_of_kv": 0.001,
+}
 
 
 def start_pool(tmp: str, dram: str) -> tuple[subprocess.Popen, str]:
@@ -91,111 +99,6 @@ def first(answer: dict) -> dict:
 
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
-
-
-# -- load path without a model ----------------------------------------------------------------
-def load_path(master: str, *, layers: int, blocks: int, slab_shape: tuple, dtype: str, repeats: int) -> dict:
-    """GB/s of loading ``blocks`` blocks x ``layers`` layers from the pool into KV-shaped tensors,
-    one value per block per layer (what the connector does) and one value per block across all
-    layers (a staging copy each), against memcpy into the same slabs; medians, interleaved."""
-    import torch
-
-    from kvstore_client import Client
-    from kvstore_client.vllm.naming import KVLayout, PoolNaming
-    from kvstore_client.vllm.plans import BlockTransfer
-    from kvstore_client.vllm.transfer import LayerwiseTransfers
-
-    torch_dtype = getattr(torch, dtype)
-    total_blocks = 2 * blocks
-    source = [torch.randn(total_blocks, *slab_shape).to(torch_dtype) for _ in range(layers)]
-    target = [torch.zeros(total_blocks, *slab_shape, dtype=torch_dtype) for _ in range(layers)]
-    slab = source[0][0].nbytes
-    total = slab * blocks * layers
-    layout = KVLayout(
-        model="load-path",
-        revision=str(time.time_ns()),
-        kv_dtype=dtype,
-        block_size=slab_shape[1],
-        num_kv_heads=slab_shape[0],
-        head_size=slab_shape[2],
-        num_layers=layers,
-        tp_size=1,
-        device="cpu",
-        hash_algo="sha256",
-    )
-    naming = PoolNaming("bench", layout)
-    hashes = [i.to_bytes(32, "big") for i in range(blocks)]
-    transfer = [BlockTransfer("r", list(range(blocks)), hashes, 0)]
-    into = [BlockTransfer("r", list(range(blocks, total_blocks)), hashes, 0)]
-    whole_keys = [("bench/whole-" + layout.fingerprint(0), h) for h in hashes]
-    staging = torch.empty(layers, *slab_shape, dtype=torch_dtype)
-    cold = torch.randn(blocks * layers, *slab_shape).to(torch_dtype)  # memcpy's source: as big as what is loaded
-    with Client(master) as client:
-        saver = LayerwiseTransfers(client, naming, source)
-        for layer in range(layers):
-            saver.save_layer(layer, transfer)
-        saver.finish_saves()
-        client.batch_put(
-            whole_keys, [torch.stack([source[l][b] for l in range(layers)]).contiguous() for b in range(blocks)]
-        )
-        deadline = time.monotonic() + 10
-        while client.match_prefix(naming.keys(layers - 1, hashes)).longest < blocks and time.monotonic() < deadline:
-            time.sleep(0.05)
-        loader = LayerwiseTransfers(client, naming, target)
-
-        def per_layer() -> None:
-            loader.start_loads(into)
-            for layer in range(layers):
-                loader.wait_layer(layer)
-            if loader.take_load_failures():
-                raise SystemExit("load path: blocks missing from the pool")
-
-        def whole_block() -> None:
-            for i, key in enumerate(whole_keys):
-                if client.get_into(key, staging) is None:
-                    raise SystemExit("load path: blocks missing from the pool")
-                for layer in range(layers):
-                    target[layer][blocks + i].copy_(staging[layer])
-
-        def memcpy() -> None:
-            i = 0
-            for layer in range(layers):
-                for b in range(blocks, total_blocks):
-                    target[layer][b].copy_(cold[i])
-                    i += 1
-
-        seconds: dict[str, list[float]] = {"per_layer": [], "whole_block": [], "memcpy": []}
-        for _ in range(repeats):
-            for name, run in (("memcpy", memcpy), ("per_layer", per_layer), ("whole_block", whole_block)):
-                start = time.perf_counter()
-                run()
-                seconds[name].append(time.perf_counter() - start)
-        if not all(torch.equal(source[l][b], target[l][blocks + b]) for l in range(layers) for b in range(blocks)):
-            raise SystemExit("load path: loaded bytes differ from the stored ones")
-        loader.close()
-        saver.close()
-    gbps = {name: total / statistics.median(s) / 1e9 for name, s in seconds.items()}
-    return {
-        "bytes": total,
-        "slab_bytes": slab,
-        "gbps": gbps,
-        "per_layer_vs_memcpy": gbps["per_layer"] / gbps["memcpy"],
-        "whole_block_vs_memcpy": gbps["whole_block"] / gbps["memcpy"],
-    }
-
-
-def median_path(runs: list[dict]) -> dict:
-    """One load-path record from several: the medians, and each ratio's range."""
-    out = {
-        "bytes": runs[0]["bytes"],
-        "slab_bytes": runs[0]["slab_bytes"],
-        "runs": len(runs),
-        "gbps": {name: median([r["gbps"][name] for r in runs]) for name in runs[0]["gbps"]},
-    }
-    for ratio in ("per_layer_vs_memcpy", "whole_block_vs_memcpy"):
-        values = [r[ratio] for r in runs]
-        out[ratio], out[ratio + "_range"] = median(values), [min(values), max(values)]
-    return out
 
 
 # -- engines ----------------------------------------------------------------------------------------
@@ -318,25 +221,57 @@ def table(result: dict) -> str:
         ]
         for r in result["ttft"]
     ]
-    lp = result["load_path"]
     lines = [markdown_table(header, rows), ""] if rows else []
-    lines += [
-        f"Load path ({lp['bytes'] >> 20} MiB, {lp['slab_bytes'] >> 10} KiB slabs, medians of {lp['runs']} runs): "
-        f"per layer {lp['gbps']['per_layer']:.2f} GB/s ({lp['per_layer_vs_memcpy']:.2f}x memcpy, "
-        f"{lp['per_layer_vs_memcpy_range'][0]:.2f}-{lp['per_layer_vs_memcpy_range'][1]:.2f}), "
-        f"whole block + staging copy {lp['gbps']['whole_block']:.2f} GB/s "
-        f"({lp['whole_block_vs_memcpy']:.2f}x), memcpy {lp['gbps']['memcpy']:.2f} GB/s"
-    ]
+    lines += path_lines(result["load_path"])
     lines += [f"skipped: {note}" for note in result["skipped"]]
     lines += [f"target {name}: {'met' if ok else 'missed'}" for name, ok in result["targets"].items()]
     return "\n".join(lines)
 
 
-def targets(result: dict) -> dict[str, bool]:
+def path_lines(path: dict) -> list[str]:
+    """The load path's figures, for people."""
+    g, r = path["geometry"], path["rates"]
+    lines = [
+        f"Load path: {g['name']} ({g['layers']} layers, block {g['block_size']}, {g['dtype']}), "
+        f"{path['tokens']} tokens = {r['bytes'] / MiB:.0f} MiB, medians of {path['runs']} runs:",
+    ]
+    rows = []
+    for fmt_name, key in (("one value per block per layer (before)", "per_layer"), ("sliced values (now)", "sliced")):
+        prefix = "layer" if key == "per_layer" else "sliced"
+        master = path.get("master", {}).get(key)
+        rows.append(
+            [
+                fmt_name,
+                path["values_per_1k_tokens"][key],
+                path["bytes_a_value"][key],
+                f"{r['gbps'][prefix + '_load']:.2f} ({r[prefix + '_load_vs_memcpy']:.2f}x)",
+                f"{r['gbps'][prefix + '_save']:.2f} ({r[prefix + '_save_vs_memcpy']:.2f}x)",
+                "-"
+                if master is None
+                else f"{master['master_share_of_kv']:.4%} ({master['master_bytes_per_key']:.0f} B/key)",
+            ]
+        )
+    header = ["format", "values / 1k tokens", "bytes a value", "load GB/s", "save GB/s", "master memory / KV"]
+    lines += [markdown_table(header, rows), f"memcpy (one call, same bytes): {r['gbps']['memcpy']:.2f} GB/s"]
+    return lines
+
+
+def path_targets(path: dict) -> dict[str, bool]:
+    r = path["rates"]
     met = {
-        f"load path >= {TARGETS['load_vs_memcpy']}x memcpy": result["load_path"]["per_layer_vs_memcpy"]
-        >= TARGETS["load_vs_memcpy"]
+        f"load path >= {TARGETS['load_vs_memcpy']}x memcpy": r["sliced_load_vs_memcpy"] >= TARGETS["load_vs_memcpy"],
+        f"layer-wise save >= {TARGETS['save_vs_memcpy']}x memcpy": r["sliced_save_vs_memcpy"]
+        >= TARGETS["save_vs_memcpy"],
+        "1 value per block per rank": path["values_per_block_per_rank"]["sliced"] == 1,
     }
+    if "master" in path:
+        share = path["master"]["sliced"]["master_share_of_kv"]
+        met[f"master memory <= {TARGETS['master_share_of_kv']:.1%} of KV"] = share <= TARGETS["master_share_of_kv"]
+    return met
+
+
+def targets(result: dict) -> dict[str, bool]:
+    met = path_targets(result["load_path"])
     by_len = {r["prompt_tokens"]: r for r in result["ttft"]}
     if not by_len:
         return met
@@ -373,10 +308,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-lmcache", action="store_true", help="leave LMCache out")
     parser.add_argument("--load-path-only", action="store_true", help="only the load path, no engines")
+    parser.add_argument(
+        "--geometry",
+        choices=sorted(GEOMETRIES),
+        help="the load path at a real model's KV shape per rank (default: the bench model's, from --layers etc.)",
+    )
+    parser.add_argument(
+        "--fill",
+        type=lambda s: int(float(s) * GiB),
+        default=GiB,
+        help="GiB of KV stored into a fresh pool, per format, to measure the master's memory (load path only)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if min(args.lengths) <= args.block_size or args.runs < 1 or args.block_size % 32:
-        parser.error("lengths must exceed the block size, --runs be >= 1, and the block size a multiple of 32")
+    if min(args.lengths) <= args.block_size or args.runs < 1:
+        parser.error("lengths must exceed the block size and --runs be >= 1")
+    if not args.load_path_only and (args.block_size % 32 or args.geometry):
+        parser.error("engines run blocks of a multiple of 32 tokens and the bench model (--geometry: --load-path-only)")
     from bench import peers
 
     vocab = 4096
@@ -388,20 +336,13 @@ def main(argv: list[str] | None = None) -> None:
         logs = os.path.join(tmp, "logs")
         os.makedirs(logs)
         # the load path first, while no engine runs beside it
-        slab_shape = (args.kv_heads, args.block_size, 2 * args.hidden // args.heads)
-        path = median_path(
-            [
-                load_path(
-                    master,
-                    layers=args.layers,
-                    blocks=max(args.lengths) // args.block_size,
-                    slab_shape=slab_shape,
-                    dtype=args.dtype,
-                    repeats=7,
-                )
-                for _ in range(args.runs)
-            ]
+        geometry = GEOMETRIES.get(args.geometry) or Geometry(
+            "bench model", args.layers, args.kv_heads, args.hidden // args.heads, args.dtype
         )
+        path = load_path.measure(
+            master, geometry, args.block_size, max(args.lengths), args.runs, args.fill if args.load_path_only else 0
+        )
+        path["runs"] = args.runs
         if args.load_path_only:
             emit(report(args, argv, {}, path, skipped), args.json, table)
             return

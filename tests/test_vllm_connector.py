@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from bench.vllm_engine import EngineProcess, make_llama  # noqa: E402
+from bench.vllm_engine import EngineProcess, make_deepseek, make_llama  # noqa: E402
 from kvstore_client import Client  # noqa: E402
-from kvstore_client.slices import encode  # noqa: E402
+from kvstore_client.slices import encode, parse_header  # noqa: E402
 from kvstore_client.vllm_hashing import prompt_tail  # noqa: E402
 from tests.processes import start_master, start_node  # noqa: E402
 
@@ -56,8 +56,9 @@ class Engines:
         role: str = "kv_both",
         env: dict | None = None,
         extra_args: tuple = (),
+        model: str | None = None,
     ) -> EngineProcess:
-        args = ["--model", self.model, "--dtype", dtype, "--block-size", str(block_size), *extra_args]
+        args = ["--model", model or self.model, "--dtype", dtype, "--block-size", str(block_size), *extra_args]
         if master:
             args += ["--master", master, "--role", role]
             if namespace:
@@ -247,6 +248,46 @@ def test_a_node_killed_between_lookup_and_load_means_recompute_not_a_hang(engine
         master.close()
 
 
+def test_a_paused_master_costs_lookups_their_budget_not_requests_their_timeout(engines, tmp_path):
+    """The master stopped (SIGSTOP) while an engine serves: each prefix lookup gives up after
+    its budget (lookup_timeout, 10 ms by default), not after the connector's ``timeout`` (10 s,
+    what a lookup waited before), so requests are served as a plain engine serves them, and
+    the pool is used again once the master resumes."""
+    import signal
+    import time
+
+    want = reference(engines, "float32")
+    master = start_master(ttl=120.0)
+    node = start_node(master.record["master"], tmp_path / "node", dram="64MiB", ssd="0")
+    later = [[_rng.randrange(1, 1000) for _ in range(300)] for _ in range(6)]
+    try:
+        with engines.start(master=master.record["master"], namespace="paused") as producer:
+            producer.ask(JOB)
+            producer.ask({**JOB, "prompts": later})
+        consumer = engines.start(master=master.record["master"], namespace="paused")
+        master.proc.send_signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            paused = consumer.ask(JOB, timeout=60)
+            took = time.monotonic() - start
+        finally:
+            master.proc.send_signal(signal.SIGCONT)
+        assert [o["cached"] for o in paused["outputs"]] == [0] * len(PROMPTS)  # computed without the pool
+        assert_same_answers(paused, want, "float32")
+        assert took < 10, f"a request waited {took:.1f} s: as long as a lookup's timeout, not its budget"
+        hits = []
+        for prompt in later:  # after the pause the connector asks again, within seconds
+            hits.append(consumer.ask({"prompts": [prompt], "max_tokens": 1})["outputs"][0]["cached"])
+            if hits[-1]:
+                break
+            time.sleep(1)
+        assert hits[-1] == loadable(later[len(hits) - 1], 32), hits
+        consumer.close()
+    finally:
+        node.close()
+        master.close()
+
+
 def test_roles_a_consumer_only_loads_and_a_producer_only_saves(engines, pool):
     want = reference(engines, "float32")
     with engines.start(master=pool["address"], namespace="roles", role="kv_consumer") as consumer:
@@ -279,6 +320,104 @@ def test_a_consumer_computes_only_the_last_token_of_a_prompt_another_engine_stor
     assert loaded["connector"]["loaded"] == layers * sum(pool_blocks(p, 32) for p in PROMPTS)
     assert loaded["connector"]["load_failures"] == 0
     assert_same_answers(loaded, want, "float32")
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> str:
+    return make_deepseek(str(tmp_path_factory.mktemp("deepseek")))
+
+
+# vLLM's reference MLA backend, which every x86 CPU runs (AMX CPUs pick AMX_MLA otherwise): it
+# forces blocks of 16 tokens and turns vLLM's own prefix caching off, so the pool is the only cache.
+MLA_ARGS = ("--attention-backend", "CPU_MLA")
+
+
+def ask_one_by_one(engine: EngineProcess) -> dict:
+    """JOB's prompts one request at a time: vLLM's CPU MLA kernels give a request other logits
+    in a batch than alone (an engine's own prefix cache, rerunning a batch, changes its tokens
+    there too), so like is compared with like."""
+    answers = [engine.ask({**JOB, "prompts": [p]}) for p in PROMPTS]
+    return {"outputs": [a["outputs"][0] for a in answers], "connector": answers[-1]["connector"]}
+
+
+MLA_MARGIN = {"float32": 0.0, "bfloat16": 0.1}  # logprobs: a tie within this may go either way
+MLA_KERNELS = 0.3  # logprob: how far vLLM's one-token and prompt MLA kernels differ on this model
+
+
+def assert_same_mla_answers(got: dict, want: dict, dtype: str) -> None:
+    """The same tokens, and logprobs close after the first. A loaded prompt's last token is
+    computed by vLLM's one-token MLA kernel (absorbed), a plain engine's by its prompt kernel
+    (decompressed), which differ by up to ``MLA_KERNELS`` in logprob on this random model; what
+    follows runs the same kernel over the same KV. So where the tokens part, the plain engine's
+    two best must be closer than those differences (the first step) or than the dtype's
+    rounding (``MLA_MARGIN``, later steps): there either may win, and the rest is not compared."""
+    compared = 0
+    for g, w in zip(got["outputs"], want["outputs"], strict=True):
+        for step, (g_token, w_token, w_step) in enumerate(zip(g["tokens"], w["tokens"], w["logprobs"], strict=True)):
+            best = sorted(w_step.values(), reverse=True)
+            close = len(best) > 1 and best[0] - best[1] <= (MLA_KERNELS if step == 0 else MLA_MARGIN[dtype])
+            if g_token != w_token and close:
+                break  # a near tie went the other way: what follows is another text
+            assert g_token == w_token, f"step {step}: {g['tokens']} != {w['tokens']}"
+            compared += 1
+            if step:  # the top tokens both list (the third may differ on a near tie)
+                for token, logprob in w_step.items():
+                    if token in g["logprobs"][step]:
+                        tolerance = 5e-2 if MLA_MARGIN[dtype] else 2e-2
+                        assert g["logprobs"][step][token] == pytest.approx(logprob, abs=tolerance)
+    assert compared >= len(want["outputs"]) * 2, "too few clear-cut steps to compare"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_mla_model_is_stored_once_and_a_fresh_engine_loads_it(engines, pool, deepseek, dtype):
+    """A tiny random DeepSeek-V2 (one latent vector of 576 a token): the producer stores one
+    value per block, under a namespace of no tensor-parallel rank; a fresh engine loads every
+    full block and the tail, and answers as a plain engine does; one that loads wrong KV of
+    the right shape does not (the comparison can fail)."""
+    namespace = f"mla-{dtype}"
+    start = dict(dtype=dtype, block_size=16, model=deepseek, extra_args=MLA_ARGS)
+    with engines.start(**start) as plain:
+        want = ask_one_by_one(plain)
+        assert plain.ready["block_size"] == 16 and not plain.ready["prefix_caching"]
+    with engines.start(master=pool["address"], namespace=namespace, **start) as producer:
+        assert_same_answers(ask_one_by_one(producer), want, dtype)  # on a miss the connector changes nothing
+    with Client(pool["address"]) as client:
+        [ns] = [ns for ns in client.list_keys(limit=1).namespaces if ns.startswith(f"{namespace}/")]
+        keys = [(k.namespace, k.digest) for k in client.list_keys(ns, limit=100000).keys]
+        assert len(keys) == sum(pool_blocks(p, 16) for p in PROMPTS)
+        stored = [client.get(key) for key in keys]
+    with engines.start(master=pool["address"], namespace=namespace, **start) as consumer:
+        loaded = ask_one_by_one(consumer)
+    assert [o["cached"] for o in loaded["outputs"]] == [loadable(p, 16) for p in PROMPTS]
+    assert loaded["connector"]["load_failures"] == 0
+    assert_same_mla_answers(loaded, want, dtype)
+    with Client(pool["address"]) as client:  # the same keys, the right shape, the wrong KV
+        for key, value in zip(keys, stored):
+            table = parse_header(value)
+            client.put(key, encode([bytes(n) for n in table.lengths]))
+    with engines.start(master=pool["address"], namespace=namespace, **start) as fooled:
+        wrong = ask_one_by_one(fooled)
+    assert [o["cached"] for o in wrong["outputs"]] == [loadable(p, 16) for p in PROMPTS]
+    assert all(w["tokens"] != g["tokens"] for w, g in zip(want["outputs"], wrong["outputs"]))
+
+
+@pytest.mark.slow  # two workers on two cores; run with -m slow
+def test_mla_ranks_load_what_one_rank_stored(engines, pool, deepseek):
+    """Tensor parallelism 2 on an MLA model: rank 0 alone stores each block (the ranks hold the
+    same latent KV), under one namespace, and both ranks of a fresh engine load it."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    start = dict(block_size=16, model=deepseek, namespace="mla-tp", master=pool["address"])
+    tp2 = (*MLA_ARGS, "--tensor-parallel-size", "2")
+    with engines.start(model=deepseek, block_size=16, env=env, extra_args=tp2) as plain_engine:
+        want = ask_one_by_one(plain_engine)
+    with engines.start(**start, env=env, extra_args=tp2) as producer:
+        ask_one_by_one(producer)
+    with Client(pool["address"]) as client:
+        assert len([ns for ns in client.list_keys(limit=1).namespaces if ns.startswith("mla-tp/")]) == 1
+    with engines.start(**start, env=env, extra_args=tp2) as consumer:
+        loaded = ask_one_by_one(consumer)
+    assert [o["cached"] for o in loaded["outputs"]] == [loadable(p, 16) for p in PROMPTS]
+    assert_same_mla_answers(loaded, want, "float32")
 
 
 def test_an_unseeded_xxhash_engine_refuses_to_start_with_a_clear_message(engines, pool):

@@ -51,6 +51,17 @@ def test_a_prompt_of_full_blocks_loads_its_last_block_whole():
     assert plan.saves == []  # all four are in the pool already
 
 
+def test_a_request_the_pool_could_not_be_asked_about_is_never_saved():
+    """Its lookup ran out of budget: a save would wait on the same master."""
+    p = plans()
+    p.remember_hit("a", 0, 0, reachable=False)
+    p.remember_hit("b", 0, 0)
+    p.allocated("a", hashes(3, "a"), prompt_len=3 * BS, num_external_tokens=0)
+    p.allocated("b", hashes(3, "b"), prompt_len=3 * BS, num_external_tokens=0)
+    step = p.step([("a", [0, 1, 2], 0), ("b", [3, 4, 5], 0)], [], {"a": 3 * BS, "b": 3 * BS})
+    assert [t.req_id for t in step.saves] == ["b"]
+
+
 def test_chunked_prefill_saves_each_block_once_as_it_fills():
     p = plans()
     p.remember_hit("a", 0, 0)

@@ -41,9 +41,9 @@ def test_the_reuse_benchmark_runs_small(capsys, monkeypatch):
     assert rows[160]["consumer_cached_tokens"] == 159
     assert all(r["consumer_same_output"] for r in rows.values())
     assert all(r["recompute_s"] > 0 and r["consumer_hit_s"] > 0 and r["producer_miss_s"] > 0 for r in rows.values())
-    assert result["load_path"]["bytes"] == 2 * (160 // 32) * 2 * 32 * 64 * 4  # layers x blocks x slab (fp32)
+    assert result["load_path"]["rates"]["bytes"] == 2 * (160 // 32) * 2 * 32 * 64 * 4  # layers x blocks x slab
     assert any(note.startswith("LMCache: no LMCache environment") for note in result["skipped"])
-    assert len(result["targets"]) == 3
+    assert len(result["targets"]) == 5
 
 
 def test_bad_arguments_are_a_usage_error(capsys):

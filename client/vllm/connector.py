@@ -270,8 +270,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         chain = hashes + [tail] if tail is not None else hashes  # the pool holds the tail iff all of it hits
         # the lookup serves loading, and saving too: blocks the pool has are not sent again
         wanted = chain and (self._settings.load or self._settings.save)
-        pool_blocks = self._lookup(self._naming.keys(chain)) if wanted else 0
-        self._plans.remember_hit(request.request_id, pool_blocks, num_computed_tokens, tail)
+        found = self._lookup(self._naming.keys(chain)) if wanted else 0
+        pool_blocks = found or 0  # None: the pool could not be asked in time, so neither load nor save
+        self._plans.remember_hit(request.request_id, pool_blocks, num_computed_tokens, tail, found is not None)
         if self._announcement is not None:
             self._announcement.tracker.seen(request)
         return self._plans.external_tokens(pool_blocks, num_computed_tokens, request.num_prompt_tokens), False

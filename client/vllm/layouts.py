@@ -16,7 +16,8 @@ Families, named by the logical axes of one layer's cache tensor:
   order (as shaped) or HND (``get_kv_cache_stride_order``: H outer of N in memory);
 - ``mla``: an MLA model's cache (DeepSeek-V2/V3, Kimi K2: vLLM's MLA backends),
   ``(B, N, D)``, one latent vector of ``D`` (the KV LoRA rank plus the rope dimensions) per
-  token, the same on every tensor-parallel rank.
+  token, the same on every tensor-parallel rank; ``mla_cpu``, vLLM's CPU MLA backend's,
+  ``(B, 1, N, D)``: the same bytes.
 
 What the pool holds of one layer of one block (a slice of the block's value,
 ``kvstore_client.vllm.naming``) is the block's bytes in memory order (its
@@ -40,6 +41,7 @@ FAMILIES = {
     "flash_attn": ("KV", "B", "N", "H", "D"),
     "flashinfer": ("B", "KV", "N", "H", "D"),
     "mla": ("B", "N", "D"),
+    "mla_cpu": ("B", "H", "N", "D"),
 }
 CANONICAL_ORDER = ("H", "N", "KV", "D")  # the CPU backend's (LBHNC) order: its keys carry no format
 # KVCacheLayout names -> physical order of the logical axes (L, B, H, N, C), as vLLM defines them
@@ -192,6 +194,8 @@ def identify(shape, num_blocks: int, num_kv_heads: int, block_size: int, head_si
         return "flashinfer"
     if num_kv_heads == 1 and shape == (num_blocks, block_size, head_size):
         return "mla"
+    if num_kv_heads == 1 and shape == (num_blocks, 1, block_size, head_size):
+        return "mla_cpu"
     raise LayoutMismatch(
         f"KV cache of shape {shape} is not a layout the connector knows for {num_blocks} blocks of "
         f"{block_size} tokens, {num_kv_heads} KV heads of size {head_size}"

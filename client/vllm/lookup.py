@@ -24,9 +24,9 @@ MAX_BACKOFF = 30.0
 
 
 class PrefixLookup:
-    """``lookup(keys)``: the leading blocks of ``keys`` the pool holds, 0 when it cannot say
-    within ``budget`` seconds. ``match(keys, timeout)`` asks the pool (``Client.match_prefix``'s
-    ``longest``)."""
+    """``lookup(keys)``: the leading blocks of ``keys`` the pool holds, None when it cannot say
+    within ``budget`` seconds (or is left alone for a while). ``match(keys, timeout)`` asks the
+    pool (``Client.match_prefix``'s ``longest``)."""
 
     def __init__(self, match: Callable[[list, float], int], budget: float, clock: Callable[[], float] = time.monotonic):
         self._match, self.budget, self._clock = match, budget, clock
@@ -40,17 +40,17 @@ class PrefixLookup:
     def backing_off(self) -> bool:
         return self._clock() < self._resume_at
 
-    def __call__(self, keys: list) -> int:
+    def __call__(self, keys: list) -> int | None:
         if not keys:
             return 0
         if self._resume_at and self._clock() < self._resume_at:
             self.skipped += 1
-            return 0
+            return None
         try:
             found = self._match(keys, self.budget)
         except (KVStoreError, OSError) as exc:
             self._failed(exc)
-            return 0
+            return None
         if self._failures >= LOOKUP_FAILURES:
             log.warning("kvstore: prefix lookups answer again: using the pool")
         self._failures, self._backoff, self._resume_at = 0, FIRST_BACKOFF, 0.0

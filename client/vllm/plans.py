@@ -47,6 +47,7 @@ class RequestState:
     saved: int = 0  # leading full blocks known to be in the pool (found there, or sent)
     tail_saved: bool = False  # the tail is known to be in the pool
     pending_load: tuple[int, int] | None = None  # (first, last + 1) block index to load next step
+    save: bool = True  # False when the pool could not be asked about it: nothing of it is saved
 
 
 class RequestPlans:
@@ -55,8 +56,8 @@ class RequestPlans:
     def __init__(self, block_size: int, *, load: bool, save: bool, save_decode: bool):
         self.block_size = block_size
         self.load, self.save, self.save_decode = load, save, save_decode
-        # lookups not yet allocated: (pool blocks, local tokens, tail key)
-        self._hits: dict[str, tuple[int, int, bytes | None]] = {}
+        # lookups not yet allocated: (pool blocks, local tokens, tail key, whether to save it)
+        self._hits: dict[str, tuple[int, int, bytes | None, bool]] = {}
         self._requests: dict[str, RequestState] = {}
 
     # -- lookup and allocation -------------------------------------------------------------
@@ -64,10 +65,19 @@ class RequestPlans:
         """The prompt's full blocks: the ones with a vLLM hash."""
         return num_prompt_tokens // self.block_size
 
-    def remember_hit(self, req_id: str, pool_blocks: int, num_computed_tokens: int, tail: bytes | None = None) -> None:
+    def remember_hit(
+        self,
+        req_id: str,
+        pool_blocks: int,
+        num_computed_tokens: int,
+        tail: bytes | None = None,
+        reachable: bool = True,
+    ) -> None:
         """A lookup's result: the pool's leading blocks (``full_blocks + 1`` when it held the
-        tail too), vLLM's own hit then (tokens), and the tail's key (None: no tail)."""
-        self._hits[req_id] = (pool_blocks, num_computed_tokens, tail)
+        tail too), vLLM's own hit then (tokens), and the tail's key (None: no tail).
+        ``reachable`` False: the pool could not be asked (a master that hangs, or is gone), so
+        nothing of this request is saved either: a save would wait on that master too."""
+        self._hits[req_id] = (pool_blocks, num_computed_tokens, tail, reachable)
 
     def external_tokens(self, pool_blocks: int, num_computed_tokens: int, num_prompt_tokens: int) -> int:
         """Tokens beyond vLLM's local hit that the pool can supply (0 when loading is off).
@@ -83,10 +93,10 @@ class RequestPlans:
     def allocated(self, req_id: str, hashes: list[bytes], prompt_len: int, num_external_tokens: int) -> None:
         """vLLM allocated blocks for a request (new, or resumed after preemption): load
         ``num_external_tokens`` past its local hit next step."""
-        pool_hit, num_computed_tokens, tail = self._hits.pop(req_id, (0, 0, None))
+        pool_hit, num_computed_tokens, tail, reachable = self._hits.pop(req_id, (0, 0, None, True))
         state = self._requests.get(req_id)
         if state is None:
-            state = self._requests[req_id] = RequestState(hashes, prompt_len)
+            state = self._requests[req_id] = RequestState(hashes, prompt_len, save=reachable)
         state.tail = tail or state.tail
         full = self.full_blocks(prompt_len)
         state.pool_hit = max(state.pool_hit, pool_hit)
@@ -138,7 +148,7 @@ class RequestPlans:
             first, end = state.pending_load
             plan.loads.append(self._load(req_id, state, first, end))
             state.pending_load = None
-        if not self.save:
+        if not (self.save and state.save):
             return
         limit = computed_after if self.save_decode else min(computed_after, state.prompt_len)
         full = min(limit // self.block_size, len(state.hashes), len(state.block_ids))
