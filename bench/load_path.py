@@ -28,6 +28,7 @@ from pathlib import Path
 
 MiB = 1 << 20
 GiB = 1 << 30
+QUIET_S = 1.0  # pause before each timed run: the pool indexes and reports the last run's values meanwhile
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ def transfer_rates(master: str, geometry: Geometry, block_size: int, tokens: int
         for _ in range(repeats):
             memcpy.append(memcpy_gbps(total, 1))
             for name, run in runs:
+                time.sleep(QUIET_S)  # the node and master index what the run before stored: not on two cores at once
                 start = time.perf_counter()
                 run()
                 seconds[name].append(time.perf_counter() - start)

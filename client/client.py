@@ -453,8 +453,16 @@ class Client:
         others are misses). Use the reader on this thread only."""
         self._check_open()
         keys = [check_key(k) for k in keys]
-        routes: list = []
-        for replicas in self._locate(keys):
+        routes: list = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for node_id, conn in list(self._local.__dict__.get("conns", {}).items()):  # this host's, first
+            if todo and getattr(conn, "one_sided", False):
+                here = conn.holds([keys[j] for j in todo])
+                for j, held in zip(todo, here):
+                    if held:
+                        routes[j] = (node_id, conn)
+                todo = [j for j, held in zip(todo, here) if not held]
+        for j, replicas in zip(todo, self._locate([keys[j] for j in todo]) if todo else []):
             route = None
             for node_id in self._order(replicas):
                 node = self._nodes.get(node_id)
@@ -465,7 +473,7 @@ class Client:
                     break
                 except OSError as exc:
                     self._nodes.unreachable(node_id, exc)
-            routes.append(route)
+            routes[j] = route
         return ObjectReader(keys, routes, self.verify, slices)
 
     def get_ranges_into(self, key: BlockKey, ranges: Sequence, buffers: Sequence) -> list[int | None]:

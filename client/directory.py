@@ -161,6 +161,10 @@ class OneSidedReads:
         copied = copy_verified(out, self._arena[found[2] : found[2] + found[3]], found[4], self.verify)
         return copied and self.directory.unchanged(found[0], found[1])
 
+    def holds(self, key: BlockKey) -> bool:
+        """Whether the directory lists ``key`` now (it may go right after: a hint, not a read)."""
+        return self._find(key) is not None
+
     def read_into(self, key: BlockKey, view: memoryview | DeviceView) -> int | None:
         """Copy the block into ``view``: its size, or None."""
         found = self._find(key)

@@ -54,7 +54,7 @@ class ObjectReader:
         self._verify = verify
         self._slices = slices
         n = len(keys)
-        self._held: list[tuple[memoryview, SliceTable] | None] = [None] * n  # leased on this host
+        self._held: list[tuple[memoryview, SliceTable, int] | None] = [None] * n  # leased here; its slices
         self._remote: dict[int, list[int]] = {}  # id(conn) -> indices read with GET_RANGES
         self._conns: dict[int, tuple[str, Any]] = {}
         self._leases: list = []
@@ -78,6 +78,10 @@ class ObjectReader:
         except BaseException:
             self.close()
             raise
+        held = [(j, h) for j, h in enumerate(self._held) if h is not None]
+        self._held_list = [(j, h[0], h[1].checksums) for j, h in held]  # (index, view, slice checksums)
+        tables = {h[1].lengths for _, h in held}
+        self._same_table = held[0][1][1] if len(tables) == 1 else None  # when every value's slices line up
 
     def _hold(self, conn, idx: list[int]) -> None:
         """Lease the values of ``idx`` in place and check each one's header once."""
@@ -92,7 +96,7 @@ class ObjectReader:
             elif self._slices is not None and table.count != self._slices:
                 self._gone.add(j)
             else:
-                self._held[j] = (view, table)
+                self._held[j] = (view, table, table.count)
                 self._owner[j] = id(conn)
 
     def read_into(self, first: int, buffers: Sequence, count: int = 1, *, exact: bool = False) -> list[int | None]:
@@ -104,24 +108,43 @@ class ObjectReader:
         if len(buffers) != len(self.keys):
             raise InvalidValue(f"{len(self.keys)} values but {len(buffers)} buffers")
         results: list[int | None] = [None] * len(self.keys)
+        if self._leases:
+            self._copy_held(first, count, buffers, results, exact)
+        gone = self._gone
+        for cid, idx in self._remote.items():
+            wanted = [j for j in idx if j not in gone and buffers[j] is not None]
+            self._read_remote(cid, wanted, first, count, buffers, results)
+            if exact:
+                for j in wanted:
+                    if results[j] is not None and results[j] != len(buffer_view(buffers[j])):
+                        results[j] = None
+                        gone.add(j)
+        return results
+
+    def _copy_held(self, first: int, count: int, buffers, results: list, exact: bool) -> None:
+        """``read_into`` of the values held here: each slice hashed as it is read out of the
+        arena, then copied from cache (the loop is the load path's: kept tight)."""
+        if count == 1 and self._same_table is not None and first < self._same_table.count:
+            return self._copy_one_slice(first, buffers, results, exact)
         verify, gone = self._verify, self._gone
         for j, held in enumerate(self._held):
-            if held is None or j in gone or buffers[j] is None:
+            buffer = buffers[j]
+            if held is None or buffer is None or j in gone:
                 continue
-            view, table = held
-            if first + count > table.count:
+            view, table, slices = held
+            if first + count > slices:
                 continue
             if count == 1:  # the common read: one slice, inline
                 offset, length = table.offsets[first], table.lengths[first]
             else:
                 offset, length = table.span(first, count)
-            dst = buffer_view(buffers[j], writable=True)
-            if exact and len(dst) != length:
-                self._gone.add(j)
-                continue
-            if len(dst) < length:
-                raise InvalidValue(f"buffer {j} holds {len(dst)} bytes, the range {length}")
-            if length != len(dst):
+            dst = buffer if type(buffer) is memoryview and buffer.format == "B" else buffer_view(buffer, writable=True)
+            if len(dst) != length:
+                if exact:
+                    gone.add(j)
+                    continue
+                if len(dst) < length:
+                    raise InvalidValue(f"buffer {j} holds {len(dst)} bytes, the range {length}")
                 dst = dst[:length]
             if count == 1 and type(dst) is memoryview:
                 src = view[offset : offset + length]
@@ -133,16 +156,51 @@ class ObjectReader:
                 self._lost(j)
                 continue
             results[j] = length
-        for cid, idx in self._remote.items():
-            self._read_remote(
-                cid, [j for j in idx if j not in gone and buffers[j] is not None], first, count, buffers, results
-            )
-        if exact:
-            for j, size in enumerate(results):
-                if size is not None and size != len(buffer_view(buffers[j])):
-                    results[j] = None
-                    self._gone.add(j)
-        return results
+
+    def _copy_one_slice(self, first: int, buffers, results: list, exact: bool) -> None:
+        """``_copy_held`` of one slice of values that all have the same slice lengths (the
+        connector's: a layer's slab each): the slice's place is worked out once, and each value
+        costs a hash, a copy and a few steps (a buffer of another size, or not a byte
+        memoryview, takes the careful path)."""
+        table = self._same_table
+        assert table is not None
+        start, length = table.offsets[first], table.lengths[first]
+        end = start + length
+        verify, gone, lost = self._verify, self._gone, []
+        views = [b for b in buffers if b is not None]
+        if all(type(b) is memoryview and b.format == "B" and len(b) == length for b in views):
+            for j, view, checksums in self._held_list:  # the common case: byte views of the slice's size
+                dst = buffers[j]
+                if dst is None or (gone and j in gone):
+                    continue
+                src = view[start:end]
+                if verify and _xxh3(src) != checksums[first]:
+                    lost.append(j)
+                    continue
+                dst[:] = src
+                results[j] = length
+        else:
+            for j, view, checksums in self._held_list:
+                dst = buffers[j]
+                if dst is None or (gone and j in gone):
+                    continue
+                dst = buffer_view(dst, writable=True)
+                if len(dst) != length and exact:
+                    gone.add(j)
+                    continue
+                if len(dst) < length:
+                    raise InvalidValue(f"buffer {j} holds {len(dst)} bytes, the range {length}")
+                src = view[start:end]
+                if verify and _xxh3(src) != checksums[first]:
+                    lost.append(j)
+                    continue
+                if type(dst) is DeviceView:
+                    dst[:length].fill_from_host(src, checksums[first], False)
+                else:
+                    dst[:length] = src
+                results[j] = length
+        for j in lost:
+            self._lost(j)
 
     def _read_remote(self, cid: int, idx: list[int], first: int, count: int, buffers, results: list) -> None:
         if not idx:
@@ -236,6 +294,7 @@ class ObjectWriter:
         self._checksums: list[list[int]] = [[0] * t.count for t in tables]
         self._written: list[bytearray] = [bytearray(t.count) for t in tables]
         self._primary = list(primaries)
+        self._same_table = tables[0] if tables and all(t is tables[0] for t in tables) else None
         self._targets: list[_Target] = []
         self._open = True
         try:
@@ -284,8 +343,21 @@ class ObjectWriter:
         if len(buffers) != len(self.keys):
             raise InvalidValue(f"{len(self.keys)} values but {len(buffers)} buffers")
         self._keep_clear_of_expiry()
-        device: list[tuple[int, DeviceView]] = []
         tables, values, checksums, written = self._tables, self._values, self._checksums, self._written
+        table = self._same_table
+        if table is not None and 0 <= index < table.count:
+            offset, length = table.offsets[index], table.lengths[index]
+            if all(b is None or (type(b) is memoryview and b.format == "B" and len(b) == length) for b in buffers):
+                end = offset + length  # the common case (the connector's): byte views of the slice's size
+                for j, src in enumerate(buffers):
+                    if src is None:
+                        continue
+                    checksums[j][index] = _xxh3(src)  # at the source, then copied from cache
+                    for value in values[j]:
+                        value[offset:end] = src
+                    written[j][index] = 1
+                return
+        device: list[tuple[int, DeviceView]] = []
         for j, buffer in enumerate(buffers):
             if buffer is None:
                 continue
@@ -350,11 +422,14 @@ class ObjectWriter:
         """Indices of the values some slice of which was not written yet."""
         return [j for j, done in enumerate(self._written) if not all(done)]
 
-    def complete(self) -> None:
+    def complete(self, wait: bool = True) -> None:
         """Publish every value whose slices were all written (the others are given up): each
         header is written, then the nodes publish (COMMIT) or receive (PUT) them. Raises
         PutFailed naming the values not stored on their primary node (those given up
-        included); replica failures are logged."""
+        included); replica failures are logged. ``wait=False``: the nodes' answers are not
+        waited for (the values' bytes are all with the nodes or in flight when it returns, so
+        the caller may reuse its buffers); failures then surface as those of puts sent without
+        waiting do (``Client.wait_for_puts``), and only values given up raise here."""
         if not self._open:
             raise InvalidValue("this writer was completed or aborted")
         self._open = False
@@ -371,7 +446,7 @@ class ObjectWriter:
         }
         stored: dict[int, list[str]] = {}
         for target in self._targets:
-            for j, error in self._publish(target, declared, incomplete).items():
+            for j, error in self._publish(target, declared, incomplete, wait).items():
                 if error is None:
                     stored.setdefault(j, []).append(target.node_id)
                 elif target.node_id == self._primary[j]:
@@ -384,14 +459,22 @@ class ObjectWriter:
         if failures:
             raise PutFailed([failures[j] for j in sorted(failures)])
 
-    def _publish(self, target: _Target, declared: list[int], incomplete: set[int]) -> dict[int, Exception | None]:
-        """One target's values: its arena groups committed, its staged values put; a result per index."""
+    def _publish(
+        self, target: _Target, declared: list[int], incomplete: set[int], wait: bool = True
+    ) -> dict[int, Exception | None]:
+        """One target's values: its arena groups committed, its staged values put; a result per
+        index (without ``wait``, None: answers come later)."""
         out: dict[int, Exception | None] = {}
         conn = target.conn
         for group_id, members in target.groups:
             whole = not any(j in incomplete for j in members)
+            checksums = [declared[j] for j in members]
             try:  # a group with values given up is read back and checked by the node: those fail
-                statuses = conn.commit_space(group_id, [declared[j] for j in members], written=whole)
+                if wait or not whole:
+                    statuses = conn.commit_space(group_id, checksums, written=whole)
+                else:
+                    conn.commit_space(group_id, checksums, keys=[self.keys[j] for j in members])
+                    statuses = [Status.OK] * len(members)
             except (KVStoreError, OSError) as exc:
                 statuses = [exc] * len(members)
             for j, status in zip(members, statuses):
@@ -406,7 +489,7 @@ class ObjectWriter:
         if staged:
             items = [(self.keys[j], self._staging[j], self._depths[j]) for j in staged]
             try:
-                results = conn.put_many(items)
+                results = conn.put_many(items, wait)
             except (KVStoreError, OSError) as exc:
                 results = [exc] * len(staged)
             out.update(zip(staged, results))

@@ -213,6 +213,14 @@ class ShmConnection(ArenaWrites, DataPlaneConnection):
             except TransportError:
                 pass
 
+    def holds(self, keys: list) -> list[bool]:
+        """Whether the node's block directory lists each (checked) key now: where a reader
+        finds this host's blocks without asking the master (False without a directory)."""
+        direct = self._direct
+        if direct is None:
+            return [False] * len(keys)
+        return [direct.holds(key) for key in keys]
+
     def read_direct(self, keys: list, views: list | None = None) -> list:
         """One-sided reads only, of checked keys: each block's bytes (or, with ``views``, its size
         once copied into ``views[j]``); None where that did not work, which is NOT a miss: the

@@ -164,15 +164,22 @@ class ArenaWrites(DataPlaneConnection):
             groups.append((group_id, chunk, reserved))
         return groups
 
-    def commit_space(self, group_id: int, checksums: list[int], written: bool = True) -> list[int]:
+    def commit_space(
+        self, group_id: int, checksums: list[int], written: bool = True, keys: list | None = None
+    ) -> list[int] | None:
         """Publish a ``reserve_space`` group: a status per item. ``written``: ``checksums`` are
         the writer's, recorded as they are (WRITTEN); else the node reads each value back and
         publishes only those that match (what a writer that gave up on some items sends,
-        with checksum 0 for those)."""
+        with checksum 0 for those). With ``keys`` (the group's), the reply is not waited for:
+        None, and what failed lands in ``put_failures``, as for puts sent without waiting."""
         table = U64.pack(group_id) + struct.pack(f"<{len(checksums)}Q", *checksums)
+        n = len(checksums)
         with self._stream():
-            request_id = self._send(Op.COMMIT, len(checksums), table, flags=FLAG_WRITTEN if written else 0)
-            return self._status_list(Op.COMMIT, request_id, len(checksums))
+            request_id = self._send(Op.COMMIT, n, table, flags=FLAG_WRITTEN if written else 0)
+            if keys is None:
+                return self._status_list(Op.COMMIT, request_id, n)
+            self._defer(request_id, keys, lambda request_id: self._status_list(Op.COMMIT, request_id, n))
+            return None
 
     def abort_space(self, group_id: int, count: int) -> None:
         """Give a ``reserve_space`` group back (no reply: stream order applies it)."""

@@ -92,6 +92,13 @@ class LayerSlabs:
         start = block_id * self.layout.block_stride + self.layout.run_offsets[0]
         return self._view[start : start + self.nbytes]
 
+    def views(self, block_ids: list[int]) -> list:
+        """``self[b]`` for each of ``block_ids`` (the loader's per-layer call: one loop)."""
+        view, stride, first, n = self._view, self.layout.block_stride, self.layout.run_offsets[0], self.nbytes
+        if view is None:
+            raise TypeError("this layout's blocks are not one run each: copy them run by run")
+        return [view[b * stride + first : b * stride + first + n] for b in block_ids]
+
     def gather(self, block_id: int):
         """A new contiguous uint8 tensor (on the tensor's device) of the block's bytes, in order."""
         import torch
@@ -112,7 +119,7 @@ class LayerSlabs:
             at += n
 
     def to_save(self, block_ids: list[int]) -> list:
-        return [self[b] for b in block_ids] if self._view is not None else [self.gather(b) for b in block_ids]
+        return self.views(block_ids) if self._view is not None else [self.gather(b) for b in block_ids]
 
 
 def whole_block_layout(tensor) -> LayerLayout:
@@ -168,6 +175,7 @@ class LayerwiseTransfers:
         start_load, start_save = self._streams()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load", initializer=start_load)
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save", initializer=start_save)
+
         self._layer_loaded: list[threading.Event] | None = None
         self._layer_events: list = []  # CUDA: an event per loaded layer, on the load stream
         self._load_job: Future | None = None
@@ -281,11 +289,14 @@ class LayerwiseTransfers:
         if not todo:
             return todo
         whole = slabs.layout.contiguous_blocks
-        good = dict(todo)
         order = self._load_order
-        buffers = [
-            None if block_id not in good else slabs[block_id] if whole else slabs.staging() for block_id, _ in order
-        ]
+        if not whole:
+            buffers = [slabs.staging() for _ in order]
+        elif len(todo) == len(order):  # nothing failed so far: every block's slab
+            buffers = slabs.views([block_id for block_id, _ in order])
+        else:
+            good = dict(todo)
+            buffers = [slabs[block_id] if block_id in good else None for block_id, _ in order]
         try:
             got = reader.read_into(layer, buffers, exact=True)
         except (KVStoreError, OSError) as exc:
@@ -293,17 +304,20 @@ class LayerwiseTransfers:
                 "kvstore: loading layer %d of %d blocks failed (%s): vLLM recomputes them", layer, len(todo), exc
             )
             got = [None] * len(buffers)
-        kept = []
         slab_bytes = slabs.nbytes
-        for (block_id, h), size, buffer in zip(order, got, buffers):
-            if buffer is None:
-                continue
-            if size != slab_bytes:  # missing, damaged, or not this layout's block
-                self._failed_blocks.add(block_id)
-            else:
-                if not whole:
-                    slabs.scatter(block_id, buffer)
-                kept.append((block_id, h))
+        if whole and len(todo) == len(order) and got.count(slab_bytes) == len(got):
+            kept = todo  # the common case: every block's slice is in
+        else:
+            kept = []
+            for (block_id, h), size, buffer in zip(order, got, buffers):
+                if buffer is None:
+                    continue
+                if size != slab_bytes:  # missing, damaged, or not this layout's block
+                    self._failed_blocks.add(block_id)
+                else:
+                    if not whole:
+                        slabs.scatter(block_id, buffer)
+                    kept.append((block_id, h))
         self.stats.loaded += len(kept)
         self.stats.loaded_bytes += len(kept) * slab_bytes
         self.stats.load_failures += len(todo) - len(kept)
@@ -342,15 +356,18 @@ class LayerwiseTransfers:
             log.warning("kvstore: saving layer %d of %d blocks failed: %s", layer, len(block_ids), exc)
 
     def _complete(self) -> None:
-        """Publish the step's values (on the saver thread, which opened them)."""
+        """Publish the step's values (on the saver thread, which opened them) without waiting for
+        the nodes' answers: the bytes are with the nodes, so vLLM may free the blocks; the answers
+        are read with the next step's (or ``collect_answers``), and counted then."""
         writer, self._writer = self._writer, None
         blocks, self._step_blocks = self._step_blocks, 0
         if writer is None:  # not even opened: the pool could not be reached
             self.stats.save_failures += blocks
             return
+        self._collect_answers()  # the previous steps': long arrived
         total = len(writer.keys)
         try:
-            writer.complete()
+            writer.complete(wait=False)
             self.stats.saved += total
         except PutFailed as exc:
             self.stats.saved += total - len(exc.failures)
@@ -361,10 +378,26 @@ class LayerwiseTransfers:
             log.warning("kvstore: storing %d blocks failed: %s", total, exc)
             writer.abort()
 
+    def _collect_answers(self) -> None:
+        """Read the nodes' answers to values published without waiting (on the saver thread)."""
+        try:
+            self._client.wait_for_puts()
+        except PutFailed as exc:
+            self.stats.saved -= len(exc.failures)
+            self.stats.save_failures += len(exc.failures)
+            log.warning("kvstore: %d blocks were not stored: %s", len(exc.failures), exc.failures[0][2])
+        except (KVStoreError, OSError) as exc:
+            log.warning("kvstore: reading the pool's answers failed: %s", exc)
+
+    def collect_answers(self) -> None:
+        """Wait for the answers to every value published so far, and count them (stats)."""
+        self._saver.submit(self._collect_answers).result()
+
     def close(self) -> None:
         try:
             self.finish_loads()
             self.finish_saves()
+            self.collect_answers()
         finally:
             self._loader.shutdown(wait=True)
             self._saver.shutdown(wait=True)
