@@ -28,7 +28,7 @@ from pathlib import Path
 
 MiB = 1 << 20
 GiB = 1 << 30
-QUIET_S = 1.0  # pause before each timed run: the pool indexes and reports the last run's values meanwhile
+QUIET_S = 0.1  # pause before each timed run: the pool indexes what the run before stored
 
 
 @dataclass(frozen=True)

@@ -87,17 +87,21 @@ class ObjectReader:
         """Lease the values of ``idx`` in place and check each one's header once."""
         lease = conn.hold([self.keys[j] for j in idx])
         self._leases.append(lease)
+        unleased = []
         for j, view, checksum in zip(idx, lease.views, lease.checksums):
             table = None if view is None else table_of(view, checksum)
-            if table is None:  # a miss, or not a sliced value with that checksum (the node says which)
-                if view is not None:
-                    self._damaged.setdefault(id(conn), []).append(j)
+            if view is None:  # a miss, or on SSD only with no DRAM free to bring it in: ask the node
+                unleased.append(j)
+            elif table is None:  # not a sliced value with that checksum: damaged, or plain (the node says which)
+                self._damaged.setdefault(id(conn), []).append(j)
                 self._gone.add(j)
             elif self._slices is not None and table.count != self._slices:
                 self._gone.add(j)
             else:
                 self._held[j] = (view, table, table.count)
                 self._owner[j] = id(conn)
+        if unleased:
+            self._remote[id(conn)] = unleased
 
     def read_into(self, first: int, buffers: Sequence, count: int = 1, *, exact: bool = False) -> list[int | None]:
         """Slices ``first .. first + count - 1`` of every value, back to back, into
@@ -122,8 +126,8 @@ class ObjectReader:
         return results
 
     def _copy_held(self, first: int, count: int, buffers, results: list, exact: bool) -> None:
-        """``read_into`` of the values held here: each slice hashed as it is read out of the
-        arena, then copied from cache (the loop is the load path's: kept tight)."""
+        """``read_into`` of the values held here: each slice hashed just before it is copied
+        (read out of the arena once, copied from cache)."""
         if count == 1 and self._same_table is not None and first < self._same_table.count:
             return self._copy_one_slice(first, buffers, results, exact)
         verify, gone = self._verify, self._gone
@@ -134,11 +138,8 @@ class ObjectReader:
             view, table, slices = held
             if first + count > slices:
                 continue
-            if count == 1:  # the common read: one slice, inline
-                offset, length = table.offsets[first], table.lengths[first]
-            else:
-                offset, length = table.span(first, count)
-            dst = buffer if type(buffer) is memoryview and buffer.format == "B" else buffer_view(buffer, writable=True)
+            offset, length = table.span(first, count)
+            dst = buffer_view(buffer, writable=True)
             if len(dst) != length:
                 if exact:
                     gone.add(j)
@@ -146,13 +147,7 @@ class ObjectReader:
                 if len(dst) < length:
                     raise InvalidValue(f"buffer {j} holds {len(dst)} bytes, the range {length}")
                 dst = dst[:length]
-            if count == 1 and type(dst) is memoryview:
-                src = view[offset : offset + length]
-                if verify and _xxh3(src) != table.checksums[first]:
-                    self._lost(j)
-                    continue
-                dst[:] = src
-            elif not copy_slices_verified(dst, view, table, first, count, verify):
+            if not copy_slices_verified(dst, view, table, first, count, verify):
                 self._lost(j)
                 continue
             results[j] = length
@@ -167,40 +162,34 @@ class ObjectReader:
         start, length = table.offsets[first], table.lengths[first]
         end = start + length
         verify, gone, lost = self._verify, self._gone, []
-        views = [b for b in buffers if b is not None]
-        if all(type(b) is memoryview and b.format == "B" and len(b) == length for b in views):
-            for j, view, checksums in self._held_list:  # the common case: byte views of the slice's size
-                dst = buffers[j]
-                if dst is None or (gone and j in gone):
-                    continue
-                src = view[start:end]
-                if verify and _xxh3(src) != checksums[first]:
-                    lost.append(j)
-                    continue
-                dst[:] = src
-                results[j] = length
-        else:
-            for j, view, checksums in self._held_list:
-                dst = buffers[j]
-                if dst is None or (gone and j in gone):
-                    continue
-                dst = buffer_view(dst, writable=True)
-                if len(dst) != length and exact:
-                    gone.add(j)
-                    continue
-                if len(dst) < length:
-                    raise InvalidValue(f"buffer {j} holds {len(dst)} bytes, the range {length}")
-                src = view[start:end]
-                if verify and _xxh3(src) != checksums[first]:
-                    lost.append(j)
-                    continue
-                if type(dst) is DeviceView:
-                    dst[:length].fill_from_host(src, checksums[first], False)
-                else:
-                    dst[:length] = src
-                results[j] = length
+        for j, view, checksums in self._held_list:
+            dst = buffers[j]
+            if dst is None or (gone and j in gone):
+                continue
+            src = view[start:end]
+            if verify and _xxh3(src) != checksums[first]:
+                lost.append(j)
+                continue
+            if type(dst) is memoryview and len(dst) == length and dst.format == "B":
+                dst[:] = src  # the common case (the connector's): a byte view of the slice's size
+            elif not self._copy_to(j, dst, src, length, checksums[first], exact):
+                continue
+            results[j] = length
         for j in lost:
             self._lost(j)
+
+    def _copy_to(self, j: int, buffer, src: memoryview, length: int, checksum: int, exact: bool) -> bool:
+        """Copy a checked slice into a buffer that is not a byte view of its size: whether it was."""
+        dst = buffer_view(buffer, writable=True)
+        if len(dst) != length and exact:
+            self._gone.add(j)
+            return False
+        if len(dst) < length:
+            raise InvalidValue(f"buffer {j} holds {len(dst)} bytes, the range {length}")
+        if type(dst) is DeviceView:
+            return dst[:length].fill_from_host(src, checksum, False)
+        dst[:length] = src
+        return True
 
     def _read_remote(self, cid: int, idx: list[int], first: int, count: int, buffers, results: list) -> None:
         if not idx:
@@ -343,40 +332,46 @@ class ObjectWriter:
         if len(buffers) != len(self.keys):
             raise InvalidValue(f"{len(self.keys)} values but {len(buffers)} buffers")
         self._keep_clear_of_expiry()
-        tables, values, checksums, written = self._tables, self._values, self._checksums, self._written
-        table = self._same_table
-        if table is not None and 0 <= index < table.count:
-            offset, length = table.offsets[index], table.lengths[index]
-            if all(b is None or (type(b) is memoryview and b.format == "B" and len(b) == length) for b in buffers):
-                end = offset + length  # the common case (the connector's): byte views of the slice's size
-                for j, src in enumerate(buffers):
-                    if src is None:
-                        continue
-                    checksums[j][index] = _xxh3(src)  # at the source, then copied from cache
-                    for value in values[j]:
-                        value[offset:end] = src
-                    written[j][index] = 1
-                return
+        values, checksums, written = self._values, self._checksums, self._written
+        shared = self._same_table
+        if shared is not None and 0 <= index < shared.count:
+            offset, length = shared.offsets[index], shared.lengths[index]
+        else:
+            offset = length = -1
+        end = offset + length
         device: list[tuple[int, DeviceView]] = []
-        for j, buffer in enumerate(buffers):
-            if buffer is None:
-                continue
-            table = tables[j]
-            if not 0 <= index < table.count:
-                raise InvalidValue(f"value {j} has {table.count} slices, not slice {index}")
-            src = buffer_view(buffer)
-            offset, length = table.offsets[index], table.lengths[index]
-            if len(src) != length:
-                raise InvalidValue(f"slice {index} of value {j} is {length} bytes, not {len(src)}")
-            if type(src) is DeviceView:
-                device.append((j, src))
-                continue
-            checksums[j][index] = _xxh3(src)
-            for value in values[j]:
-                value[offset : offset + length] = src
-            written[j][index] = 1
+        for j, src in enumerate(buffers):
+            if type(src) is memoryview and len(src) == length and src.format == "B":
+                homes = values[j]  # the common case (the connector's): a byte view of the slice's size
+                checksums[j][index] = _xxh3(src)  # at the source, then copied from cache
+                homes[0][offset:end] = src
+                for home in homes[1:]:
+                    home[offset:end] = src
+                written[j][index] = 1
+            elif src is not None:
+                found = self._write_one(j, index, src)
+                if found is not None:
+                    device.append(found)
         if device:
             self._write_from_device(index, device)
+
+    def _write_one(self, j: int, index: int, buffer) -> tuple[int, DeviceView] | None:
+        """``write`` of one value's slice from any buffer; a CUDA one is returned, to be copied
+        with the others."""
+        table = self._tables[j]
+        if not 0 <= index < table.count:
+            raise InvalidValue(f"value {j} has {table.count} slices, not slice {index}")
+        src = buffer_view(buffer)
+        offset, length = table.offsets[index], table.lengths[index]
+        if len(src) != length:
+            raise InvalidValue(f"slice {index} of value {j} is {length} bytes, not {len(src)}")
+        if type(src) is DeviceView:
+            return j, src
+        self._checksums[j][index] = _xxh3(src)
+        for value in self._values[j]:
+            value[offset : offset + length] = src
+        self._written[j][index] = 1
+        return None
 
     def _write_from_device(self, index: int, device: list[tuple[int, DeviceView]]) -> None:
         """Slices in GPU memory: the copy engine copies each into its value's first home, all
