@@ -215,3 +215,32 @@ def test_an_aborted_writer_leaves_nothing_and_gives_its_space_back(small_pool, s
 def held(node) -> int:
     """Arena space a node holds for writers, not yet published."""
     return node.store.stats()["store"]["granted_bytes"] + node.server.allowance.used
+
+
+def test_values_go_to_every_replica_and_read_from_either(tmp_path):
+    """A master that keeps two copies: each value is written slice by slice to both nodes,
+    published on both, and a range reads from either once the other is gone."""
+    master = MasterServer(port=0, ttl_s=5.0, heartbeat_interval_s=0.5, replication_factor=2).start()
+    nodes = [
+        StorageNode(
+            StoreConfig(dram_capacity=16 << 20, max_block_bytes=1 << 20),
+            NodeOptions(master=master.address, data_dir=str(tmp_path / f"n{i}")),
+        ).start()
+        for i in range(2)
+    ]
+    try:
+        keys = [("replicated", b"%d" % j) for j in range(4)]
+        with Client(master.address) as client:
+            with client.open_objects(keys, [4 * KiB] * 3) as writer:
+                for i in range(3):
+                    writer.write(i, [bytes([16 * j + i]) * 4 * KiB for j in range(4)])
+        assert all(node.store.exists(k) for node in nodes for k in keys)
+        nodes.pop(0).stop()
+        with Client(master.address) as client:
+            out = [bytearray(4 * KiB) for _ in keys]
+            assert client.batch_get_ranges_into(keys, [(2, 1)] * 4, out) == [4 * KiB] * 4
+            assert [bytes(o)[:1] for o in out] == [bytes([16 * j + 2]) for j in range(4)]
+    finally:
+        for node in nodes:
+            node.stop()
+        master.stop()
