@@ -312,7 +312,19 @@ class Client:
         todo = list(range(len(keys))) if local_tried else self._read_local(keys, buffers, results)
         if not todo:
             return results
-        located = self._locate([keys[i] for i in todo])
+        self._from_replicas(
+            keys,
+            todo,
+            results,
+            lambda c, idx: c.read_many([keys[i] for i in idx], None if buffers is None else [buffers[i] for i in idx]),
+        )
+        return results
+
+    def _from_replicas(self, keys: list[BlockKey], todo: list[int], results: list, read) -> None:
+        """Fill ``results[i]`` for i in ``todo`` from each key's best replica, falling back to the
+        next on a miss, a dead node or a damaged copy: ``read(connection, indices)`` is one
+        node's (results, {position: error}). Raises the first error no replica got past."""
+        located = self._locate([keys[i] for i in todo]) if todo else []
         candidates: list = [[] for _ in keys]
         for i, replicas in zip(todo, located):
             candidates[i] = self._order(replicas)
@@ -324,9 +336,7 @@ class Client:
                 by_node.setdefault(candidates[i].pop(0), []).append(i)
             retry = []
             for node_id, idx in by_node.items():
-                got, errors = self._read_from(
-                    node_id, [keys[i] for i in idx], None if buffers is None else [buffers[i] for i in idx]
-                )
+                got, errors = self._read_from(node_id, idx, read)
                 for n, (i, value) in enumerate(zip(idx, got)):
                     error = errors.get(n)
                     if error is not None and not isinstance(error, ChecksumMismatch):
@@ -345,7 +355,6 @@ class Client:
             pending = retry
         if damaged:
             raise damaged[min(damaged)]
-        return results
 
     def _read_local(self, keys: list[BlockKey], buffers: list | None, results: list) -> list[int]:
         """Serve what this thread's same-host connections can read one-sidedly into ``results``;
@@ -371,16 +380,17 @@ class Client:
                     return got
         return None
 
-    def _read_from(self, node_id: str, keys: list[BlockKey], buffers: list | None) -> tuple[list, dict]:
-        """(results, per-key errors) of one node; all misses when it cannot be reached."""
+    def _read_from(self, node_id: str, idx: list[int], read) -> tuple[list, dict]:
+        """(results, per-position errors) of ``read(connection, idx)`` on one node; all misses
+        when it cannot be reached."""
         node = self._nodes.get(node_id)
         if node is None:
-            return [None] * len(keys), {}
+            return [None] * len(idx), {}
         try:
-            return self._on_node(node, lambda c: c.read_many(keys, buffers))
+            return self._on_node(node, lambda c: read(c, idx))
         except OSError as exc:
             self._nodes.unreachable(node_id, exc)
-            return [None] * len(keys), {}
+            return [None] * len(idx), {}
 
     def _on_node(self, node: pb.NodeInfo, call):
         """``call(connection)``, redialling once: a cached connection, and the address it was
@@ -490,37 +500,13 @@ class Client:
         keys = [check_key(k) for k in keys]
         if not len(keys) == len(ranges) == len(buffers):
             raise InvalidValue(f"{len(keys)} keys, {len(ranges)} ranges and {len(buffers)} buffers")
-        candidates = [self._order(replicas) for replicas in self._locate(keys)]
         results: list[int | None] = [None] * len(keys)
-        pending = [j for j in range(len(keys)) if candidates[j]]
-        while pending:
-            by_node: dict[str, list[int]] = {}
-            for j in pending:
-                by_node.setdefault(candidates[j].pop(0), []).append(j)
-            retry = []
-            for node_id, idx in by_node.items():
-                node = self._nodes.get(node_id)
-                got: list = [None] * len(idx)
-                errors: dict = {}
-                if node is not None:
-                    try:
-                        got, errors = self._on_node(
-                            node,
-                            lambda c: c.read_ranges(
-                                [keys[j] for j in idx], [ranges[j] for j in idx], [buffers[j] for j in idx]
-                            ),
-                        )
-                    except OSError as exc:
-                        self._nodes.unreachable(node_id, exc)
-                for k, j in enumerate(idx):
-                    if k in errors and not isinstance(errors[k], ChecksumMismatch):
-                        raise errors[k]
-                    if got[k] is not None:
-                        results[j] = got[k]
-                    elif candidates[j]:
-                        retry.append(j)
-                self._locations.forget([keys[j] for k, j in enumerate(idx) if got[k] is None])
-            pending = retry
+        self._from_replicas(
+            keys,
+            list(range(len(keys))),
+            results,
+            lambda c, idx: c.read_ranges([keys[j] for j in idx], [ranges[j] for j in idx], [buffers[j] for j in idx]),
+        )
         return results
 
     # -- lookups ---------------------------------------------------------------------------

@@ -76,8 +76,10 @@ class Placements:
                 reply = ahead.result()
             except grpc.RpcError:
                 pass  # asked again below, which raises the typed error
-        if reply is None:  # a put larger than what is left: room for one more like it, within the cap
-            size = max(nbytes, min(2 * nbytes, self.growth * self.min_bytes), self.min_bytes)
+        if reply is None:
+            size = max(nbytes, self.min_bytes)
+            if nbytes > self.min_bytes:  # a put larger than a placement: room for one more like it, within the cap
+                size = max(nbytes, min(2 * nbytes, self.growth * self.min_bytes))
             reply = self._ask(namespace, size)
         if not reply.nodes:
             raise ServiceUnavailable("the master knows no live storage node to put blocks on")

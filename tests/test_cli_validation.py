@@ -28,6 +28,8 @@ LOWEST = {
     ("up", "ssd"): 0,  # 0: no SSD tier
     ("node", "idle_timeout"): 0,
     ("up", "idle_timeout"): 0,  # 0: never
+    ("node", "write_ttl"): 0,
+    ("up", "write_ttl"): 0,  # 0: reserved space never expires
     ("node", "lease_ttl"): 0,
     ("up", "lease_ttl"): 0,  # 0: leases never expire
     ("token", "quota"): 0,
