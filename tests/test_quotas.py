@@ -158,3 +158,31 @@ def test_a_tenant_fills_its_quota_and_no_more_on_every_data_path(pool, data_path
         assert wait_for(lambda: master.quotas.used("acme") == 0 and held_across(nodes) == 0)
         assert wait_for(settled)
         client.close()
+
+
+def test_bytes_held_follow_every_removal_path_ssd_eviction_included(tmp_path):
+    """Blocks pushed through DRAM to SSD and out of it: what the store reports a namespace
+    holds equals the bytes of the blocks it still has, whichever path removed the others."""
+
+    class Held:
+        def __init__(self):
+            self.bytes: dict[str, int] = {}
+
+        def changed(self, namespace: str, delta: int) -> None:
+            self.bytes[namespace] = self.bytes.get(namespace, 0) + delta
+
+    config = StoreConfig(
+        dram_capacity=1 << 20, ssd_path=str(tmp_path / "ssd"), ssd_capacity=2 << 20, max_block_bytes=64 << 10
+    )
+    with BlockStore(config) as store:
+        held = Held()
+        store.track_usage(held)
+        for i in range(200):  # 12.5 MiB through 3 MiB of tiers: evicted from DRAM, then from SSD
+            store.put(("alpha" if i % 2 else "beta", b"%d" % i), bytes([i % 251]) * (64 << 10))
+            if i % 7 == 0:
+                store.remove(("beta", b"%d" % (i - 1)))
+            store.evict()
+        assert store.stats()["ssd"]["evictions"] > 0
+        for namespace in ("alpha", "beta"):
+            stored = sum(store.size_of(key) for key in store.keys(namespace))
+            assert held.bytes[namespace] == stored, namespace

@@ -95,6 +95,14 @@ class StoreState:
         for listener in self.listeners:
             listener(event, key, STORE_TIER_NAMES[tier])
 
+    def unlist(self, key, meta, tier: int) -> None:
+        """Under lock: a block leaves the table for good (removed, evicted, found damaged): its
+        bytes leave its namespace's account and listeners hear of it. Every removal path goes
+        through here; the caller frees its bytes in the tier."""
+        del self.blocks[key]
+        self.account(key, -meta.size)
+        self.emit("removed", key, tier)
+
     def account(self, key, delta: int) -> None:
         """Under lock: a block of ``key``'s namespace came, went or changed size."""
         if self.usage is not None and delta:

@@ -534,13 +534,11 @@ class BlockStore:
 
     def _forget(self, key: BlockKey, meta: BlockMeta) -> None:
         """Under _lock: remove a block from the table, its policy and its tier."""
-        del self._table[key]
-        self._state.account(key, -meta.size)
         self._policies[meta.tier].discard(key)
         if meta.tier == DRAM:
             self._dram.discard(key)
         self._drop_ssd_record(key, meta)
-        self._state.emit("removed", key, meta.tier)
+        self._state.unlist(key, meta, meta.tier)
 
     def _drop_ssd_record(self, key: BlockKey, meta: BlockMeta) -> None:
         """Under _lock: delete the SSD record of a block that is going away or being replaced

@@ -142,10 +142,8 @@ class Tiering:
                         state.counters[DRAM].demotions += 1
                         state.emit("moved", key, SSD)
                     else:
-                        del state.blocks[key]
-                        state.account(key, -meta.size)
+                        state.unlist(key, meta, DRAM)
                         state.counters[DRAM].evictions += 1
-                        state.emit("removed", key, DRAM)
                 elif wrote:  # replaced, removed or pinned meanwhile: the copy is stale
                     state.ssd.discard(key)
                 state.dram.release(extent)
@@ -186,7 +184,7 @@ class Tiering:
     def _evict_ssd(self, wanted: int) -> None:
         """Drop SSD victims totalling at least ``wanted`` bytes."""
         state = self._state
-        policy, table, victims, freed = state.policies[SSD], state.blocks, [], 0
+        policy, table, victims, freed = state.policies[SSD], state.blocks, [], 0  # table: read only
         with state.lock:
             while freed < wanted:
                 key = policy.pop_victim()
@@ -200,11 +198,10 @@ class Tiering:
                     continue
                 if meta is None or meta.tier != SSD or meta.pins:
                     continue
-                del table[key]
+                state.unlist(key, meta, SSD)
                 victims.append(key)
                 freed += meta.size
                 state.counters[SSD].evictions += 1
-                state.emit("removed", key, SSD)
         if victims:
             state.ssd.discard_many(victims)
 
