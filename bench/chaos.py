@@ -492,7 +492,7 @@ def corrupt_live(ssd_dir: Path, rng: random.Random, records: int) -> list:
             entries = [(bytes(k), v) for k, v in txn.cursor()]
             rng.shuffle(entries)
             for raw_key, value in entries[:records]:
-                parsed = parse_header(value)
+                parsed = parse_header(value, raw_key)
                 if parsed is None or len(value) < HEADER.size + VALUE_HEAD.size + 2:
                     continue
                 start = int(np.frombuffer(value, dtype=np.uint8).ctypes.data) - base
@@ -530,7 +530,7 @@ def corrupt_ssd(ssd_dir: Path, rng: random.Random, records: int) -> list:
     rng.shuffle(offsets)
     with open(path, "r+b") as f:
         for at in offsets[: records * 4]:  # some are stale copies in free pages: flip more, count the live
-            _, _, _, size = HEADER.unpack_from(data, at)
+            size = HEADER.unpack_from(data, at)[3]
             spot = at + HEADER.size + VALUE_HEAD.size + rng.randrange(max(1, min(size, len(data) - at) - 64))
             if spot < len(data):
                 f.seek(spot)
@@ -540,7 +540,7 @@ def corrupt_ssd(ssd_dir: Path, rng: random.Random, records: int) -> list:
     try:
         with env.begin(buffers=True) as txn:
             for raw_key, value in txn.cursor():
-                parsed = parse_header(value)
+                parsed = parse_header(value, raw_key)
                 if parsed is not None and xxhash.xxh3_64_intdigest(value[HEADER.size :]) != parsed[2]:
                     damaged.append(decode_key(raw_key))
     finally:

@@ -188,6 +188,49 @@ def test_bad_header_is_dropped_on_open(tmp_path):
         assert txn.stat()["entries"] == 1
 
 
+def test_a_record_found_under_another_key_is_a_miss_never_that_keys_bytes(tmp_path):
+    """Records swapped between keys in the file (pages mixed up, or edited): each names the key
+    it was written for, so both read as misses, and neither comes back at the next open."""
+    path = str(tmp_path / "ssd")
+    tier = SsdTier(path, 4 * MiB)
+    put(tier, key(1), b"one" * 1000)
+    put(tier, key(2), b"two" * 1000)
+    swap = (  # from another process: lmdb opens a file once per process, and the tier holds it
+        "import lmdb, sys\n"
+        "with lmdb.open(sys.argv[1]) as env, env.begin(write=True) as txn:\n"
+        "    a, b = bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])\n"
+        "    one, two = txn.get(a), txn.get(b)\n"
+        "    txn.put(a, two)\n"
+        "    txn.put(b, one)\n"
+    )
+    subprocess.run([sys.executable, "-c", swap, path, raw_key(key(1)).hex(), raw_key(key(2)).hex()], check=True)
+    assert tier.get(key(1)) is None and tier.get(key(2)) is None
+    assert tier.checksum_failures == 2 and len(tier) == 0
+    put(tier, key(4), b"four" * 1000)
+    tier.close()
+    with lmdb.open(path) as env, env.begin(write=True) as txn:
+        txn.put(raw_key(key(5)), txn.get(raw_key(key(4))))  # key 4's record, copied under key 5
+    tier = SsdTier(path, 4 * MiB)
+    assert tier.bad_records == 1 and tier.inventory() == [(key(4), 4000, 0)]
+    tier.close()
+
+
+def test_records_of_the_earlier_format_are_dropped_at_open(tmp_path):
+    import struct
+
+    import xxhash
+
+    path = str(tmp_path / "ssd")
+    SsdTier(path, 4 * MiB).close()
+    with lmdb.open(path) as env, env.begin(write=True) as txn:
+        payload = b"old" * 100
+        old = struct.pack("<4sIQQ", b"KVS\x01", 0, xxhash.xxh3_64_intdigest(payload), len(payload)) + payload
+        txn.put(raw_key(key(1)), old)
+    tier = SsdTier(path, 4 * MiB)
+    assert tier.bad_records == 1 and tier.get(key(1)) is None
+    tier.close()
+
+
 # -- kill -9 -------------------------------------------------------------------------------------
 CHILD = r"""
 import random, sys, xxhash

@@ -3,11 +3,16 @@
 On disk each block is one lmdb record:
 
     key   = u8 namespace length | namespace UTF-8 | digest
-    value = header <4sIQQ: magic b"KVS\\x01", depth u32, XXH3-64 u64, size u64> | payload
+    value = header <4sIQQQ: magic b"KVS\\x02", depth u32, checksum u64, size u64,
+            key tag u64> | payload
 
 The header lets open rebuild the index without reading payloads; the
-checksum is checked on every read, so a damaged record is a miss (and is
-deleted), never wrong bytes.
+checksum (the block's, ``kvstore_client.slices.value_checksum``) is checked on
+every read, so a damaged record is a miss (and is deleted), never wrong bytes.
+The key tag, the XXH3-64 of the lmdb key, binds a record to its key: a record
+found under another key (pages mixed up, a file edited) is a damaged record
+too, not the other key's bytes. Records of the earlier format (``KVS\\x01``,
+no key tag) are dropped at open, with the other bad records.
 
 Durability: each put, batch and discard is one lmdb transaction. With
 ``sync=False`` (default) a commit is in the OS page cache when it returns, so
@@ -19,12 +24,14 @@ caught by the checksums. ``sync=True`` fsyncs each commit. One process per path.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import threading
 from typing import Iterator
 
 import lmdb
+import xxhash
 
 from kvstore_client.errors import BufferTooSmall, CapacityError, ConfigError, InvalidKey, InvalidValue
 from kvstore_client.keys import BlockKey
@@ -32,9 +39,10 @@ from kvstore_client.slices import value_checksum
 from kvstore.sharded import ShardedDict
 from kvstore.tiers.private import FILE_MODE, private_dir, tighten
 
-MAGIC = b"KVS\x01"  # last byte is the record format version
-HEADER = struct.Struct("<4sIQQ")  # magic, depth, checksum, payload size
+MAGIC = b"KVS\x02"  # last byte is the record format version
+HEADER = struct.Struct("<4sIQQQ")  # magic, depth, checksum, payload size, XXH3-64 of the lmdb key
 _MiB = 1 << 20
+log = logging.getLogger(__name__)
 _NO_BLOCK = b"\x00"  # an lmdb key no block has (namespaces are non-empty)
 
 
@@ -73,12 +81,22 @@ def decode_key(raw: memoryview | bytes) -> BlockKey | None:
         return None
 
 
-def parse_header(value: memoryview) -> tuple[int, int, int] | None:
-    """(size, depth, checksum) of a stored value, or None when the header is bad."""
+def key_tag(raw_key: bytes) -> int:
+    """What binds a record to its lmdb key (``encode_key``)."""
+    return xxhash.xxh3_64_intdigest(raw_key)
+
+
+def pack_header(raw_key: bytes, depth: int, checksum: int, size: int) -> bytes:
+    return HEADER.pack(MAGIC, depth, checksum, size, key_tag(raw_key))
+
+
+def parse_header(value: memoryview, raw_key) -> tuple[int, int, int] | None:
+    """(size, depth, checksum) of the value stored under ``raw_key``, or None when its header
+    is bad or names another key."""
     if len(value) < HEADER.size:
         return None
-    magic, depth, checksum, size = HEADER.unpack_from(value)
-    if magic != MAGIC or size != len(value) - HEADER.size:
+    magic, depth, checksum, size, tag = HEADER.unpack_from(value)
+    if magic != MAGIC or size != len(value) - HEADER.size or tag != key_tag(bytes(raw_key)):
         return None
     return size, depth, checksum
 
@@ -140,7 +158,7 @@ class SsdTier:
         bad: list[bytes] = []
         with self._env.begin(buffers=True) as txn:
             for raw_key, value in txn.cursor():
-                key, meta = decode_key(raw_key), parse_header(value)
+                key, meta = decode_key(raw_key), parse_header(value, raw_key)
                 if key is None or meta is None:
                     bad.append(bytes(raw_key))
                 else:
@@ -152,6 +170,12 @@ class SsdTier:
         self._index = index
         self._used = sum(size for size, _ in index.values())
         self.bad_records = len(bad)
+        if bad:
+            log.warning(
+                "ssd tier %s: dropped %d records that did not parse, named another key, or were of an earlier format",
+                self.path,
+                len(bad),
+            )
 
     # -- sizes and index ----------------------------------------------------------
     @property
@@ -218,7 +242,8 @@ class SsdTier:
                 view = _byte_view(value)
                 size = view.nbytes
                 try:
-                    records.append((encode_key(key), HEADER.pack(MAGIC, depth, checksum, size), view))
+                    raw_key = encode_key(key)
+                    records.append((raw_key, pack_header(raw_key, depth, checksum, size), view))
                 except struct.error:
                     raise InvalidValue(f"depth {depth} or checksum {checksum} out of range") from None
                 old = planned[key] if key in planned else self._index.get(key, (0, 0))[0]
@@ -342,7 +367,7 @@ class SsdTier:
             value = txn.get(raw_key)
             if value is None:
                 return None
-            meta = parse_header(value)
+            meta = parse_header(value, raw_key)
             result = None if meta is None else copy(value, meta[0], meta[2])
             if result is not None:
                 return result
