@@ -405,7 +405,7 @@ def kv_events_record(server) -> dict:
 
 def tuning_options(f):
     """Eviction, tiering and lease knobs (kvstore.node.config.StoreConfig); `node` and `up`."""
-    from kvstore.node.config import StoreConfig
+    from kvstore.node.config import SSD_DAMAGED, StoreConfig
     from kvstore.transport.server import DEFAULT_LEASE_TTL
 
     d = StoreConfig()
@@ -438,6 +438,13 @@ def tuning_options(f):
             help="Eviction policy of the SSD tier [default: --policy].",
         ),
         click.option(
+            "--ssd-damaged",
+            type=click.Choice(SSD_DAMAGED),
+            default=d.ssd_damaged,
+            show_default=True,
+            help="A damaged SSD file at start: refuse to start, or move it aside and start the tier empty.",
+        ),
+        click.option(
             "--promote/--no-promote",
             "promote_on_hit",
             default=d.promote_on_hit,
@@ -458,7 +465,7 @@ def tuning_options(f):
     return f
 
 
-TUNING_OPTIONS = ("high_watermark", "low_watermark", "eviction_batch", "ssd_policy", "promote_on_hit")
+TUNING_OPTIONS = ("high_watermark", "low_watermark", "eviction_batch", "ssd_policy", "ssd_damaged", "promote_on_hit")
 
 
 def build_store_config(data_dir, dram, ssd, max_block, policy, limits=None):

@@ -6,6 +6,7 @@ from kvstore.benchmark.baselines import free_port
 from kvstore.master.server import MasterServer
 from kvstore.node.config import StoreConfig
 from kvstore.node.daemon import NodeOptions, StorageNode
+from kvstore_client.slices import value_checksum
 from kvstore_client.transport import TcpConnection
 
 
@@ -76,3 +77,34 @@ def test_sockets_of_killed_nodes_are_reaped_and_live_ones_kept(tmp_path):
         ]
     finally:
         live.close()
+
+
+def test_a_node_whose_ssd_file_is_cut_short_says_so_and_starts_only_when_told_to_set_it_aside(tmp_path):
+    import os
+
+    import pytest
+
+    from kvstore.tiers.ssd import SsdTier
+    from tests.processes import start_master, start_node
+
+    tier = SsdTier(str(tmp_path / "ssd"), 64 << 20)
+    for i in range(50):
+        block = os.urandom(64 << 10)
+        tier.put(("ns", i.to_bytes(16, "little")), block, value_checksum(block))
+    tier.close()
+    data = tmp_path / "ssd" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    master = start_master()
+    try:
+        with pytest.raises(RuntimeError) as refused:
+            start_node(master.record["master"], tmp_path)
+        assert "is truncated" in str(refused.value) and "--ssd-damaged move-aside" in str(refused.value)
+        assert "Traceback" not in str(refused.value)
+        node = start_node(master.record["master"], tmp_path, extra=("--ssd-damaged", "move-aside"))
+        try:
+            assert node.proc.poll() is None
+            assert any(name.startswith("data.mdb.damaged-") for name in os.listdir(tmp_path / "ssd"))
+        finally:
+            node.close()
+    finally:
+        master.close()

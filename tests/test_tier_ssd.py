@@ -231,6 +231,68 @@ def test_records_of_the_earlier_format_are_dropped_at_open(tmp_path):
     tier.close()
 
 
+# -- a damaged lmdb file at open ----------------------------------------------------------------
+OPEN_CHILD = r"""
+import sys
+from kvstore_client.errors import ConfigError
+from kvstore.tiers.ssd import SsdTier
+try:
+    tier = SsdTier(sys.argv[1], 64 << 20)
+except ConfigError as exc:
+    print("REFUSED", exc)
+    sys.exit(3)
+print("OPENED", len(tier), sum(len(tier.get(k) or b"") for k in tier.keys()))
+"""
+
+
+def filled_then_cut(tmp_path, keep: float) -> str:
+    """An SSD tier of 100 blocks whose data file is then cut to ``keep`` of its size."""
+    path = str(tmp_path / "ssd")
+    tier = SsdTier(path, 64 * MiB)
+    for i in range(100):
+        assert put(tier, key(i), seeded(i, 16 * KiB, 64 * KiB))
+    tier.close()
+    data = os.path.join(path, "data.mdb")
+    os.truncate(data, int(os.path.getsize(data) * keep))
+    return path
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9, 0.001])
+def test_a_cut_data_file_is_refused_with_a_message_never_sigbus(tmp_path, keep):
+    path = filled_then_cut(tmp_path, keep)
+    child = subprocess.run(
+        [sys.executable, "-c", OPEN_CHILD, path], env=child_env(), capture_output=True, text=True, timeout=60
+    )
+    assert child.returncode == 3, f"rc {child.returncode}; stdout {child.stdout!r}; stderr {child.stderr[-2000:]}"
+    assert "REFUSED" in child.stdout and "--ssd-damaged move-aside" in child.stdout
+    assert "truncated" in child.stdout or "not an lmdb data file" in child.stdout
+    assert os.path.exists(os.path.join(path, "data.mdb"))  # refusing leaves the operator's file alone
+
+
+def test_a_cut_data_file_moved_aside_starts_the_tier_empty(tmp_path, caplog):
+    path = filled_then_cut(tmp_path, 0.5)
+    size = os.path.getsize(os.path.join(path, "data.mdb"))
+    tier = SsdTier(path, 64 * MiB, on_damage="move-aside")
+    assert len(tier) == 0 and tier.used_bytes == 0
+    assert put(tier, key(7), seeded(7)) and tier.get(key(7)) == seeded(7)
+    tier.close()
+    aside = [name for name in os.listdir(path) if name.startswith("data.mdb.damaged-")]
+    assert len(aside) == 1 and os.path.getsize(os.path.join(path, aside[0])) == size
+    assert "moved it to" in caplog.text
+    reopened = SsdTier(path, 64 * MiB)  # the new file is whole
+    assert reopened.get(key(7)) == seeded(7)
+    reopened.close()
+
+
+def test_a_whole_data_file_opens_as_before(tmp_path):
+    path = filled_then_cut(tmp_path, 1.0)
+    child = subprocess.run(
+        [sys.executable, "-c", OPEN_CHILD, path], env=child_env(), capture_output=True, text=True, timeout=60
+    )
+    expected = sum(len(seeded(i, 16 * KiB, 64 * KiB)) for i in range(100))
+    assert child.stdout.split() == ["OPENED", "100", str(expected)], child.stderr[-2000:]
+
+
 # -- kill -9 -------------------------------------------------------------------------------------
 CHILD = r"""
 import random, sys, xxhash

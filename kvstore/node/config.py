@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 from kvstore_client.errors import ConfigError
 from kvstore.policy import POLICIES
+from kvstore.tiers.lmdb_file import ON_DAMAGE as SSD_DAMAGED
 from kvstore.transport.limits import ConnectionLimits
 from kvstore.units import format_size, parse_size
 
-__all__ = ["ConnectionLimits", "StoreConfig"]
+__all__ = ["SSD_DAMAGED", "ConnectionLimits", "StoreConfig"]
 MiB = 1 << 20
 
 
@@ -34,13 +35,16 @@ class StoreConfig:
     that whatever builds the store hands them to the node's server too.
     ``promote_on_hit`` brings SSD hits back into DRAM; ``keep_ssd_copy`` keeps
     their SSD record meanwhile (inclusive tiers, until SSD space is needed), so
-    that demoting them again costs no SSD write.
+    that demoting them again costs no SSD write. ``ssd_damaged``: what opening an SSD tier
+    whose lmdb file is damaged (cut short, not lmdb) does: "refuse" (default: the node does not
+    start, and says why) or "move-aside" (the file is renamed beside it and the tier starts empty).
     """
 
     dram_capacity: int | str = 1 << 30
     ssd_path: str | None = None
     ssd_capacity: int | str = 0
     ssd_sync: bool = False
+    ssd_damaged: str = "refuse"
     policy: str = "lru"
     ssd_policy: str | None = None
     max_block_bytes: int | str = 16 * MiB
@@ -69,6 +73,8 @@ class StoreConfig:
                 raise ConfigError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")
         if self.max_block_bytes <= 0:
             raise ConfigError("max_block_bytes must be positive")
+        if self.ssd_damaged not in SSD_DAMAGED:
+            raise ConfigError(f"ssd_damaged must be one of {list(SSD_DAMAGED)}, got {self.ssd_damaged!r}")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ConfigError("need 0 < low_watermark <= high_watermark <= 1")
         if self.granule <= 0 or self.granule & (self.granule - 1):

@@ -79,7 +79,7 @@ class BlockStore:
         if config.ssd_path is not None:
             from kvstore.tiers.ssd import SsdTier, SsdView
 
-            ssd = SsdTier(config.ssd_path, config.ssd_capacity, sync=config.ssd_sync)
+            ssd = SsdTier(config.ssd_path, config.ssd_capacity, sync=config.ssd_sync, on_damage=config.ssd_damaged)
             ssd_view = SsdView(ssd)
         self._state = state = StoreState(dram, ssd, [make_policy(config.policy), make_policy(config.ssd_policy)])
         # The shared state's parts, bound once: the read and write paths use them on every call.

@@ -20,6 +20,11 @@ a process crash, kill -9 included, loses nothing. An OS crash or power cut may
 lose the last commits (and, lmdb warns for MDB_NOSYNC, can damage the file,
 which must then be deleted): acceptable for a cache, and damaged payloads are
 caught by the checksums. ``sync=True`` fsyncs each commit. One process per path.
+
+A damaged lmdb file (cut short, or not lmdb at all) is found before it is
+mapped (``lmdb_file.damage``), where lmdb would die of SIGBUS: the tier then
+refuses to open, saying why, or with ``on_damage="move-aside"`` renames the
+file beside it (``data.mdb.damaged-<time>``) and starts empty.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from typing import Iterator
 
 import lmdb
@@ -37,6 +43,7 @@ from kvstore_client.errors import BufferTooSmall, CapacityError, ConfigError, In
 from kvstore_client.keys import BlockKey
 from kvstore_client.slices import value_checksum
 from kvstore.sharded import ShardedDict
+from kvstore.tiers.lmdb_file import DATA_FILE, ON_DAMAGE, damage
 from kvstore.tiers.private import FILE_MODE, private_dir, tighten
 
 MAGIC = b"KVS\x02"  # last byte is the record format version
@@ -123,9 +130,11 @@ class SsdTier:
 
     name = "ssd"
 
-    def __init__(self, path: str, capacity: int, *, sync: bool = False):
+    def __init__(self, path: str, capacity: int, *, sync: bool = False, on_damage: str = "refuse"):
         if capacity <= 0:
             raise ConfigError(f"ssd tier capacity must be positive, got {capacity}")
+        if on_damage not in ON_DAMAGE:
+            raise ConfigError(f"on_damage must be one of {list(ON_DAMAGE)}, got {on_damage!r}")
         self.path = path
         self._capacity = capacity
         self._index: ShardedDict = ShardedDict()  # key -> (size, depth)
@@ -138,9 +147,26 @@ class SsdTier:
         private_dir(path)
         for name in ("data.mdb", "lock.mdb"):  # made 0644 by older versions
             tighten(os.path.join(path, name))
+        problem = damage(path)
+        if problem is None:
+            try:
+                self._open(sync)
+                return
+            except lmdb.Error as exc:  # damage only lmdb itself sees (a bad page, a bad version)
+                problem = f"{os.path.join(path, DATA_FILE)} cannot be used: {exc}"
+        if on_damage == "refuse":
+            raise ConfigError(
+                f"ssd tier: {problem}; move the file aside (or remove it) to start the tier empty, "
+                "or start the node with --ssd-damaged move-aside"
+            )
+        aside = self._move_aside()
+        log.warning("ssd tier: %s; moved it to %s and started the tier empty", problem, aside)
+        self._open(sync)
+
+    def _open(self, sync: bool) -> None:
         self._env = lmdb.Environment(
-            path,
-            map_size=map_size_for(capacity),
+            self.path,
+            map_size=map_size_for(self._capacity),
             subdir=True,
             sync=sync,
             metasync=sync,
@@ -149,8 +175,23 @@ class SsdTier:
             lock=True,
             mode=FILE_MODE,
         )
-        self._env.reader_check()  # free reader slots left by a killed process
-        self._load()
+        try:
+            self._env.reader_check()  # free reader slots left by a killed process
+            self._load()
+        except BaseException:
+            self._env.close()
+            raise
+
+    def _move_aside(self) -> str:
+        """Rename the damaged data file (kept for a post-mortem) and drop its lock file."""
+        data = os.path.join(self.path, DATA_FILE)
+        aside = f"{data}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+        os.replace(data, aside)
+        try:
+            os.unlink(os.path.join(self.path, "lock.mdb"))
+        except FileNotFoundError:
+            pass
+        return aside
 
     def _load(self) -> None:
         """Rebuild the index from record headers; delete records that don't parse."""
