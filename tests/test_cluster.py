@@ -239,6 +239,7 @@ def test_metrics_endpoints(cluster):
         (master.record["metrics"], "kvstore_"),
         (nodes[0].record["metrics"], "kvstore_tier_used_bytes"),
         (nodes[0].record["metrics"], "kvstore_ssd_written_bytes_total"),
+        (nodes[0].record["metrics"], "kvstore_ssd_disk_full_total"),
         (nodes[0].record["metrics"], "kvstore_node_granted_bytes"),
     ):
         body = urllib.request.urlopen(f"http://{url}/metrics", timeout=5).read().decode()

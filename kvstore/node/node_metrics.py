@@ -32,6 +32,15 @@ def node_metrics(node) -> list[tuple[str, str, str, dict, float]]:
                 stats["ssd"]["bytes_written"],
             )
         )
+        rows.append(
+            (
+                "kvstore_ssd_disk_full_total",
+                "SSD writes that found the file system full (the tier then holds at most what it held).",
+                "counter",
+                base,
+                stats["ssd"]["disk_full"],
+            )
+        )
     store = stats["store"]
     rows.append(("kvstore_node_blocks", "Blocks stored on the node.", "gauge", base, store["blocks"]))
     rows.append(("kvstore_node_pinned_blocks", "Pinned blocks.", "gauge", base, store["pinned"]))

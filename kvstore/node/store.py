@@ -561,6 +561,7 @@ class BlockStore:
                 self._counters[SSD].checksum_failures = self._ssd.checksum_failures
                 tiers["ssd"] = self._tier_stats(SSD, self._ssd)
                 tiers["ssd"]["bytes_written"] = self._ssd.bytes_written
+                tiers["ssd"]["disk_full"] = self._ssd.disk_full
             tiers["store"] = {
                 "blocks": len(self._table),
                 "pinned": sum(1 for m in self._table.values() if m.pins),

@@ -173,12 +173,23 @@ class Tiering:
         return victims
 
     def _write_to_ssd(self, victims: list) -> list[bool]:
+        """Write the victims to SSD after making room there; whether each was written. When the
+        disk fills under the batch, the tier's capacity shrinks to what it holds: make room in
+        that and write the rest once more."""
         ssd, dram = self._state.ssd, self._state.dram
-        incoming = sum(meta.size for _, meta, _ in victims)
-        if ssd.used_bytes + incoming > self._high * ssd.capacity_bytes:
-            self._evict_ssd(ssd.used_bytes + incoming - int(self._low * ssd.capacity_bytes))
         items = [(key, dram.view(extent), extent.checksum, meta.depth) for key, meta, extent in victims]
-        return ssd.put_many(items)
+        written = [False] * len(items)
+        for _ in range(2):
+            todo = [i for i, done in enumerate(written) if not done]
+            capacity = ssd.capacity_bytes
+            incoming = sum(items[i][1].nbytes for i in todo)
+            if ssd.used_bytes + incoming > self._high * capacity:
+                self._evict_ssd(ssd.used_bytes + incoming - int(self._low * capacity))
+            for i, done in zip(todo, ssd.put_many([items[i] for i in todo])):
+                written[i] = done
+            if all(written) or ssd.capacity_bytes >= capacity:
+                break
+        return written
 
     # -- SSD out ----------------------------------------------------------------------------
     def _evict_ssd(self, wanted: int) -> None:

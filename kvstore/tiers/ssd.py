@@ -21,6 +21,13 @@ lose the last commits (and, lmdb warns for MDB_NOSYNC, can damage the file,
 which must then be deleted): acceptable for a cache, and damaged payloads are
 caught by the checksums. ``sync=True`` fsyncs each commit. One process per path.
 
+A full disk makes lmdb fail a commit (as an I/O error: its write came up
+short). When the file system then has no room, the tier takes the bytes it
+holds as its capacity for now (``disk_limit``; ``capacity_bytes`` says so), so
+the store evicts from SSD to its watermarks and writes again, instead of
+refusing every write while it holds blocks it could drop. The limit rises
+again as the disk frees up (checked at most every ``DISK_RECHECK_S``).
+
 A damaged lmdb file (cut short, or not lmdb at all) is found before it is
 mapped (``lmdb_file.damage``), where lmdb would die of SIGBUS: the tier then
 refuses to open, saying why, or with ``on_damage="move-aside"`` renames the
@@ -51,6 +58,8 @@ HEADER = struct.Struct("<4sIQQQ")  # magic, depth, checksum, payload size, XXH3-
 _MiB = 1 << 20
 log = logging.getLogger(__name__)
 _NO_BLOCK = b"\x00"  # an lmdb key no block has (namespaces are non-empty)
+DISK_RECHECK_S = 5.0  # how often a tier the disk filled looks for room again
+_DISK_SPARE = 4 * _MiB  # free bytes on the file system below which a failed commit means "disk full"
 
 
 def map_size_for(capacity: int) -> int:
@@ -144,6 +153,9 @@ class SsdTier:
         self.checksum_failures = 0  # reads that found a damaged record (then deleted)
         self.bad_records = 0  # records with a bad key or header, deleted on open
         self.bytes_written = 0  # payload bytes committed since open (what wears the device)
+        self.disk_full = 0  # commits that failed because the file system was full
+        self._disk_limit: int | None = None  # bytes the tier could hold when the disk filled
+        self._disk_checked = 0.0
         private_dir(path)
         for name in ("data.mdb", "lock.mdb"):  # made 0644 by older versions
             tighten(os.path.join(path, name))
@@ -221,7 +233,14 @@ class SsdTier:
     # -- sizes and index ----------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        """The configured capacity, or less while the disk has no room for it (``disk_limit``)."""
+        limit = self._disk_limit
+        return self._capacity if limit is None else min(self._capacity, limit)
+
+    @property
+    def disk_limit(self) -> int | None:
+        """Bytes the tier holds at most while its file system is full (None: not full)."""
+        return self._disk_limit
 
     @property
     def used_bytes(self) -> int:
@@ -265,18 +284,69 @@ class SsdTier:
         redone in one transaction that keeps, in order, every item that fits.
         """
         with self._write_lock:
+            if self._disk_limit is not None:
+                self._recheck_disk()
             records, todo = self._plan(items)
-            done = self._commit(records, todo, partial=False) if todo else []
-            if done is None:
-                self._advance_txn()
-                done = self._commit(records, todo, partial=True)
+            try:
+                done = self._commit(records, todo, partial=False) if todo else []
+                if done is None:
+                    self._advance_txn()
+                    done = self._commit(records, todo, partial=True)
+            except lmdb.Error:
+                if not self._disk_is_full():
+                    raise
+                self._limit_to_disk(sum(records[i][2].nbytes for i in todo))
+                done = []
             self._apply(items, records, done)
         stored = set(done)
         return [i in stored for i in range(len(items))]
 
+    def _disk_is_full(self) -> bool:
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < _DISK_SPARE
+
+    def _limit_to_disk(self, refused: int) -> None:
+        """A commit failed for want of disk: hold no more than now until the disk frees up."""
+        with self._lock:
+            self.disk_full += 1
+            self._disk_limit = self._used
+            self._disk_checked = time.monotonic()
+        self._advance_txn()  # pages freed from now on become reusable one commit sooner
+        log.warning(
+            "ssd tier %s: the disk is full (a write of %d bytes failed); holding at most %d bytes "
+            "(of %d configured) until it has room, evicting to make room for new blocks",
+            self.path,
+            refused,
+            self._used,
+            self._capacity,
+        )
+
+    def _recheck_disk(self) -> None:
+        """Raise ``disk_limit`` by what the file system has free now (at most every DISK_RECHECK_S)."""
+        now = time.monotonic()
+        if now - self._disk_checked < DISK_RECHECK_S:
+            return
+        self._disk_checked = now
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return
+        room = st.f_bavail * st.f_frsize - _DISK_SPARE
+        with self._lock:
+            limit = self._disk_limit
+            if limit is None or room <= 0:
+                return
+            self._disk_limit = None if self._used + room >= self._capacity else max(limit, self._used + room)
+        if self._disk_limit is None:
+            log.info("ssd tier %s: the disk has room again for the configured %d bytes", self.path, self._capacity)
+
     def _plan(self, items) -> tuple[list[tuple[bytes, bytes, memoryview]], list[int]]:
         """Encoded (key, header, payload) per item, and the items that fit the budget, in order."""
         records, todo = [], []
+        capacity = self.capacity_bytes
         with self._lock:
             used, planned = self._used, {}
             for i, (key, value, checksum, depth) in enumerate(items):
@@ -288,7 +358,7 @@ class SsdTier:
                 except struct.error:
                     raise InvalidValue(f"depth {depth} or checksum {checksum} out of range") from None
                 old = planned[key] if key in planned else self._index.get(key, (0, 0))[0]
-                if size <= self._capacity and used - old + size <= self._capacity:
+                if size <= capacity and used - old + size <= capacity:
                     used += size - old
                     planned[key] = size
                     todo.append(i)
