@@ -10,6 +10,8 @@ access file, on loopback ports chosen at run time.
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 
@@ -184,6 +186,8 @@ def test_a_method_not_in_the_table_is_refused_to_everyone(pool, monkeypatch):
 
 def test_listing_without_a_namespace_shows_a_tenant_only_its_own(pool):
     master, node, keys_a, keys_b = pool
+    with Client(master.address, token=ADMIN) as admin:  # tier figures come with heartbeats
+        wait_for(lambda: sum(t.blocks for n in admin.cluster_status().nodes for t in n.tiers) > 0)
     with Client(master.address, token=TENANT_A) as client:
         reply = client.list_keys(limit=1000)
         assert set(reply.namespaces) == {NS_A}
@@ -191,6 +195,9 @@ def test_listing_without_a_namespace_shows_a_tenant_only_its_own(pool):
         status = client.cluster_status()
         assert status.indexed_keys == len(keys_a)
         assert all(n.indexed_blocks == 0 for n in status.nodes)  # per node: the pool's, not shown to a tenant
+        tiers = [t for n in status.nodes for t in n.tiers]
+        assert tiers and all(t.capacity > 0 for t in tiers)  # sizes, and nothing of what others hold or hit
+        assert all((t.used, t.blocks, t.hits, t.misses, t.evictions) == (0, 0, 0, 0, 0) for t in tiers)
         with pytest.raises(PermissionDenied):
             client.list_keys(namespace=NS_B)
     with Client(master.address, token=TENANT_B) as client:
@@ -205,6 +212,31 @@ def test_listing_without_a_namespace_shows_a_tenant_only_its_own(pool):
         status = client.cluster_status()
         assert status.indexed_keys == len(keys_a) + len(keys_b)
         assert sum(n.indexed_blocks for n in status.nodes) == len(keys_a) + len(keys_b)
+
+
+def test_a_refused_call_is_answered_from_its_metadata_its_body_never_waited_for(pool):
+    """No token, a wrong one, or the wrong role: refused at once from the call's metadata, while
+    the caller has not sent (and never sends) its request: no server thread waits for the body."""
+    master = pool[0]
+    never = threading.Event()
+
+    def body_never_sent():
+        never.wait(30)
+        yield b""
+
+    with grpc.insecure_channel(master.address) as channel:
+        raw = channel.stream_unary("/kvstore.v1.Master/Locate", request_serializer=None, response_deserializer=None)
+        try:
+            for metadata, code in (
+                ((), Code.UNAUTHENTICATED),
+                ((bearer_metadata(WRONG),), Code.UNAUTHENTICATED),
+                ((bearer_metadata(NODE),), Code.PERMISSION_DENIED),
+            ):
+                with pytest.raises(grpc.RpcError) as refused:
+                    raw(body_never_sent(), timeout=10, metadata=metadata or None)
+                assert refused.value.code() == code, (metadata, refused.value)
+        finally:
+            never.set()
 
 
 def node_status(channel, node_id: str) -> pb.NodeStatus:

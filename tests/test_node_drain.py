@@ -104,3 +104,36 @@ def test_the_drain_command_waits_for_the_index_and_says_unknown_nodes_plainly(po
     unknown = kvstore("drain", "node-nobody", "--master", master.address)
     assert unknown.returncode == 1 and "knows no node 'node-nobody'" in unknown.stderr
     assert "Traceback" not in unknown.stderr
+
+
+def test_a_drain_under_an_access_file_copies_blocks_node_to_node_with_node_tokens(tmp_path):
+    """PULL under --auth: the target node checks the source against the master with its node
+    token (Peers), so the copies land; a tenant's blocks read back exactly from the other node."""
+    from kvstore_client.credentials import Credentials
+    from tests.access_files import ADMIN, NODE, NS_A, TENANT_A, access_list
+
+    access = access_list(tmp_path / "access")
+    master = MasterServer(port=0, ttl_s=60.0, heartbeat_interval_s=0.5, access=access).start()
+    nodes = [
+        StorageNode(
+            StoreConfig(dram_capacity=16 * MiB, max_block_bytes=MiB),
+            NodeOptions(master=master.address, unix_socket=False, access=access, credentials=Credentials(NODE)),
+        ).start()
+        for _ in range(2)
+    ]
+    leaving, other = nodes
+    try:
+        keys = [(NS_A, b"pulled-%d" % i) for i in range(40)]
+        for i, key in enumerate(keys):
+            leaving.store.put(key, value(i))
+        wait_for(lambda: master.index.size() == len(keys))
+        with Client(master.address, token=ADMIN) as admin:
+            assert admin.drain(leaving.node_id).copying == len(keys)
+            assert master.drainer.wait(leaving.node_id, timeout=60)
+        assert all(other.store.exists(key) for key in keys)
+        with Client(master.address, token=TENANT_A, data_path="tcp", location_ttl=0) as tenant:
+            assert tenant.batch_get(keys) == [value(i) for i in range(len(keys))]
+    finally:
+        for node in nodes:
+            node.stop()
+        master.stop()

@@ -276,6 +276,16 @@ class DeregisterReply(_message.Message):
     known: bool
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
+class PeersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeersReply(_message.Message):
+    __slots__ = ("data_addresses",)
+    DATA_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    data_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, data_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ("node_id", "cancel")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -84,6 +84,11 @@ class MasterStub:
                 request_serializer=kvstore__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.Peers = channel.unary_unary(
+                '/kvstore.v1.Master/Peers',
+                request_serializer=kvstore__pb2.PeersRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.PeersReply.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -152,6 +157,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Peers(self, request, context):
+        """The data addresses a node may PULL from (nodes and admins).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,6 +216,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvstore__pb2.DrainRequest.FromString,
                     response_serializer=kvstore__pb2.DrainReply.SerializeToString,
+            ),
+            'Peers': grpc.unary_unary_rpc_method_handler(
+                    servicer.Peers,
+                    request_deserializer=kvstore__pb2.PeersRequest.FromString,
+                    response_serializer=kvstore__pb2.PeersReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -476,6 +493,33 @@ class Master:
             '/kvstore.v1.Master/Drain',
             kvstore__pb2.DrainRequest.SerializeToString,
             kvstore__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Peers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Master/Peers',
+            kvstore__pb2.PeersRequest.SerializeToString,
+            kvstore__pb2.PeersReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -127,6 +127,11 @@ def tiers_to_pb(tiers) -> list[pb.TierStats]:
     return [pb.TierStats(**{f: getattr(t, f) for f in TIER_STATS_FIELDS}) for t in tiers]
 
 
+def capacities_to_pb(tiers) -> list[pb.TierStats]:
+    """What a tenant sees of a node's tiers: their sizes, not what the pool holds or hits."""
+    return [pb.TierStats(tier=t.tier, capacity=t.capacity) for t in tiers]
+
+
 class MasterServicer(pb_grpc.MasterServicer):
     """Serves the Master service over a PrefixIndex, a Membership and a PlacementPolicy."""
 
@@ -219,6 +224,16 @@ class MasterServicer(pb_grpc.MasterServicer):
         return pb.DeregisterReply(known=known)
 
     @_rpc
+    def Peers(self, request, context):
+        membership = self.membership
+        addresses = [
+            state.info.data_address
+            for state in membership.nodes()
+            if state.info.data_address and membership.seconds_since(state) <= membership.ttl_s
+        ]
+        return pb.PeersReply(data_addresses=addresses)
+
+    @_rpc
     def Drain(self, request, context):
         check_node_id(request.node_id)
         if self.drainer is None:
@@ -298,7 +313,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             statuses.append(
                 pb.NodeStatus(
                     info=info_to_pb(state.info),
-                    tiers=tiers_to_pb(state.tiers),
+                    tiers=tiers_to_pb(state.tiers) if not principal.confined else capacities_to_pb(state.tiers),
                     alive=since <= membership.ttl_s,
                     seconds_since_heartbeat=since,
                     indexed_blocks=sum(counts.get(state.node_id, {}).values()),

@@ -330,8 +330,7 @@ class MasterAgent:
 
     def live_data_addresses(self) -> set[str]:
         """Data addresses of the nodes whose lease the master holds live (grpc.RpcError if it cannot say)."""
-        reply = self._stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
-        return {n.info.data_address for n in reply.nodes if n.alive and n.info.data_address}
+        return set(self._stub.Peers(pb.PeersRequest(), timeout=5).data_addresses)
 
     def _report(self, events: list, full_inventory: bool) -> pb.BlockReport:
         return block_report(self.info.node_id, events, full_inventory)

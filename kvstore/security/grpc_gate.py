@@ -4,7 +4,8 @@ With an access file, ``AuthGate`` (a server interceptor) reads the bearer token
 of each call, refuses a missing or unknown one (UNAUTHENTICATED) and a role the
 method does not admit (PERMISSION_DENIED), and runs the method with the
 caller's Principal in a context variable, where servicers read it with
-``caller()`` to check namespaces. A method missing from METHOD_ROLES is refused
+``caller()`` to check namespaces. A refused call is answered from its metadata:
+its body is never read into a message nor parsed. A method missing from METHOD_ROLES is refused
 to everyone: a new RPC is closed until someone decides who may call it.
 Without an access file there is no gate and ``caller()`` is ANYONE.
 """
@@ -27,6 +28,7 @@ METHOD_ROLES: dict[str, frozenset] = {
     "Master/ReportBlocks": _MEMBERSHIP,
     "Master/Deregister": _MEMBERSHIP,
     "Master/Drain": frozenset({ADMIN}),
+    "Master/Peers": _MEMBERSHIP,  # a node checking a PULL's source
     "Master/Locate": _DATA,
     "Master/MatchPrefix": _DATA,
     "Master/Place": _DATA,
@@ -116,20 +118,11 @@ def _as(handler, principal: Principal):
 
 
 def _refusal(handler, code: grpc.StatusCode, message: str):
-    """A handler of ``handler``'s kind that aborts every call with ``code``."""
+    """A handler that aborts every call with ``code`` from its metadata alone: it takes the
+    request as a stream it never reads, so a refused caller's body is never parsed (nor
+    waited for), whatever the method's kind."""
 
-    def refuse(request, context):
+    def refuse(requests, context):
         context.abort(code, message)
 
-    make = (
-        grpc.unary_unary_rpc_method_handler
-        if handler.unary_unary is not None
-        else grpc.unary_stream_rpc_method_handler
-        if handler.unary_stream is not None
-        else grpc.stream_unary_rpc_method_handler
-        if handler.stream_unary is not None
-        else grpc.stream_stream_rpc_method_handler
-    )
-    return make(
-        refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-    )
+    return grpc.stream_unary_rpc_method_handler(refuse, response_serializer=handler.response_serializer)
