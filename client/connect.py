@@ -52,12 +52,53 @@ def open_connection(
         return transport.TcpConnection(node.data_address, **common)
     if data_path is not None:
         prefer_shm = data_path == "shm"
-    same_host = node.machine_id == machine_id() and node.unix_socket and os.path.exists(node.unix_socket)
+    same_host = node.machine_id == machine_id() and bool(node.unix_socket) and _reachable(node)
     if same_host and prefer_shm and node.shm_arena:
         try:
             return transport.ShmConnection(node.unix_socket, node.shm_arena, one_sided=one_sided, **common)
-        except OSError as exc:  # e.g. another container's /dev/shm: fall back to a socket
-            log.info("shared memory with %s unavailable (%s); using its socket", node.node_id, exc)
+        except OSError as exc:  # TransportError included
+            if _denied(exc):  # another user's node: its socket and arena are not ours to open
+                _not_this_users(node, exc)
+                same_host = False
+            else:  # e.g. another container's /dev/shm: fall back to a socket
+                log.info("shared memory with %s unavailable (%s); using its socket", node.node_id, exc)
     if same_host:
-        return transport.UnixConnection(node.unix_socket, **common)
+        try:
+            return transport.UnixConnection(node.unix_socket, **common)
+        except OSError as exc:
+            if not _denied(exc):
+                raise
+            _not_this_users(node, exc)
     return transport.TcpConnection(node.data_address, **common)
+
+
+def _reachable(node) -> bool:
+    """Whether ``node``'s Unix socket is there for this process: not when it is another
+    container's, nor (logged once) when it is in another user's private directory."""
+    try:
+        os.stat(node.unix_socket)
+    except PermissionError as exc:
+        _not_this_users(node, exc)
+        return False
+    except OSError:
+        return False
+    return True
+
+
+def _denied(exc: OSError) -> bool:
+    return isinstance(exc, PermissionError) or isinstance(exc.__cause__, PermissionError)
+
+
+_TOLD: set[str] = set()  # nodes whose socket this process found closed to it (logged once each)
+
+
+def _not_this_users(node, exc: OSError) -> None:
+    if node.node_id not in _TOLD and len(_TOLD) < 4096:
+        _TOLD.add(node.node_id)
+        log.info(
+            "node %s on this host runs as another user, whose socket and arena this user (uid %d) may not "
+            "open (%s): using TCP",
+            node.node_id,
+            os.getuid(),
+            exc,
+        )

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvstore.tiers.arena import SharedArena, huge_pages_in, reap_stale_arenas, shm_dir
+from kvstore.tiers.arena import SharedArena, huge_pages_in, node_shm_dir, reap_stale_arenas, shm_dir
 
 CHILD = """
 import sys, time
@@ -179,10 +179,12 @@ def test_a_new_arena_is_locked_from_the_moment_its_name_appears(tmp_path, monkey
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(fd)
-        assert os.listdir(tmp_path) == [arena.name]  # no temporary name left behind
+        assert os.listdir(tmp_path) == [os.path.basename(node_shm_dir())]  # this user's directory, 0700
+        assert os.stat(node_shm_dir()).st_mode & 0o777 == 0o700
+        assert os.listdir(node_shm_dir()) == [arena.name]  # no temporary name left behind
     finally:
         arena.close()
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(node_shm_dir()) == []
 
 
 def test_arena_larger_than_shared_memory_is_a_clear_error():
@@ -192,10 +194,10 @@ def test_arena_larger_than_shared_memory_is_a_clear_error():
 
     stat = os.statvfs(shm_dir())
     too_big = stat.f_bavail * stat.f_frsize + (1 << 30)
-    before = set(os.listdir(shm_dir()))
+    before = set(os.listdir(node_shm_dir()))
     with pytest.raises(ConfigError, match="shared memory"):
         SharedArena.create(too_big)
-    assert set(os.listdir(shm_dir())) <= before  # nothing left behind
+    assert set(os.listdir(node_shm_dir())) <= before  # nothing left behind
 
 
 def test_arena_larger_than_available_memory_is_refused_before_any_is_taken():
@@ -353,3 +355,22 @@ def test_huge_pages_stop_at_their_time_budget_and_the_rest_stays_4k():
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def test_a_directory_another_user_planted_in_the_shm_dir_is_refused(tmp_path, monkeypatch):
+    import pytest
+
+    from kvstore_client.errors import ConfigError
+
+    if os.getuid() != 0:
+        pytest.skip("needs root to make a directory of another user")
+    monkeypatch.setenv("KVSTORE_SHM_DIR", str(tmp_path))
+    planted = tmp_path / f"kvstore-user-{os.getuid()}"
+    planted.mkdir(mode=0o777)
+    os.chown(planted, 65534, 65534)  # made first by someone else, to read what lands in it
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        SharedArena.create(1 << 20)
+    planted.rmdir()
+    planted.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match="not a directory"):
+        SharedArena.create(1 << 20)

@@ -29,7 +29,7 @@ from kvstore.node.store import BlockStore
 from kvstore.node.tenant_usage import TenantUsage
 from kvstore.security.access import AccessList
 from kvstore.security.tls import ServerTLS
-from kvstore.tiers.arena import shm_dir
+from kvstore.tiers.arena import node_shm_dir
 from kvstore.tiers.private import private_dir
 from kvstore.transport.puller import refuse_all
 from kvstore.transport.server import DEFAULT_LEASE_TTL, DataPlaneServer
@@ -149,8 +149,8 @@ class StorageNode:
             usage = None
         unix_path = None
         if opts.unix_socket:
-            reap_stale_sockets(shm_dir())
-            unix_path = os.path.join(shm_dir(), f"{SOCKET_PREFIX}{self.node_id}{SOCKET_SUFFIX}")
+            reap_stale_sockets(node_shm_dir())
+            unix_path = os.path.join(node_shm_dir(), f"{SOCKET_PREFIX}{self.node_id}{SOCKET_SUFFIX}")
         self.server = DataPlaneServer(
             self.store,
             host=opts.host,

@@ -28,6 +28,7 @@ import weakref
 from kvstore_client.errors import ConfigError
 from kvstore_client.sharedmap import map_shared
 from kvstore.tiers.hugepages import HUGE_PAGE, collapse_to_huge_pages
+from kvstore.tiers.private import own_private_dir
 from kvstore.units import format_size
 
 
@@ -37,6 +38,13 @@ _ARENA_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]+(\.dir)?$")  # an arena, or i
 def shm_dir() -> str:
     """Directory that backs shared-memory arenas (tmpfs on Linux)."""
     return os.environ.get("KVSTORE_SHM_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+
+
+def node_shm_dir() -> str:
+    """This user's directory in ``shm_dir()``, 0700: where nodes put their arenas, block
+    directories and Unix sockets, so that no other user's process can open or connect to
+    them (other users' clients use TCP). Created on first use."""
+    return own_private_dir(os.path.join(shm_dir(), f"kvstore-user-{os.getuid()}"))
 
 
 def on_huge_pages(directory: str) -> bool | None:
@@ -108,7 +116,7 @@ class SharedArena:
         if size <= 0:
             raise ConfigError("arena size must be positive")
         reap_stale_arenas()
-        directory = shm_dir()
+        directory = node_shm_dir()
         _check_room(size, directory)
         name = name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
         path = os.path.join(directory, name)
@@ -130,7 +138,7 @@ class SharedArena:
     @classmethod
     def attach(cls, name: str) -> "SharedArena":
         """Map an existing arena created by another process on this host."""
-        path = os.path.join(shm_dir(), os.path.basename(name))
+        path = os.path.join(node_shm_dir(), os.path.basename(name))
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
@@ -267,7 +275,13 @@ def reap_stale_arenas() -> list[str]:
     kvstore that did not lock arenas yet (so is still in use), or the pid has been reused (a leak
     until that process ends, as before). A free lock alone is proof only for arenas made since."""
     removed = []
-    directory = shm_dir()
+    for directory in (node_shm_dir(), shm_dir()):  # and arenas of versions that made them in shm_dir()
+        removed += _reap_in(directory)
+    return removed
+
+
+def _reap_in(directory: str) -> list[str]:
+    removed = []
     entries = sorted(os.listdir(directory), key=lambda e: e.endswith(".dir"))  # arenas first
     for entry in entries:
         match = _ARENA_NAME.match(entry)

@@ -9,6 +9,9 @@ made with looser modes, are tightened when opened again.
 from __future__ import annotations
 
 import os
+import stat
+
+from kvstore_client.errors import ConfigError
 
 FILE_MODE, DIR_MODE = 0o600, 0o700
 
@@ -27,3 +30,20 @@ def tighten(path: str, mode: int = FILE_MODE) -> None:
             os.chmod(path, mode)
     except FileNotFoundError:
         pass
+
+
+def own_private_dir(path: str) -> str:
+    """``private_dir`` for a directory in a place other users can write (a tmpfs like /dev/shm):
+    it must be a real directory of this user, not one another user made first or a link
+    they planted (ConfigError, saying what it found)."""
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{path} is not a directory (a link or a file): remove it, or choose another --shm-dir")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"{path} belongs to uid {st.st_uid}, not this user: remove it, or choose another --shm-dir")
+    tighten(path, DIR_MODE)
+    return path
