@@ -81,11 +81,12 @@ class Kvstore:
 
 def leader_of(etcd_endpoint: str, prefix: str = "/kvstore") -> str | None:
     from kvstore_client.etcd import Etcd, EtcdUnavailable
+    from kvstore_client.leader_record import address_of
 
     etcd = Etcd([etcd_endpoint], timeout=0.5)
     try:
         held = etcd.get(prefix.encode() + b"/leader")
-        return held.value.decode() if held is not None else None
+        return address_of(held.value) if held is not None else None
     except EtcdUnavailable:
         return None
     finally:

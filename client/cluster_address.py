@@ -21,6 +21,11 @@ plain text. A TLS handshake with etcd that fails is configuration, not an
 outage: calls fail at once with UNAVAILABLE and the reason (the SDK raises
 ServiceUnavailable with it) instead of waiting out their timeout.
 
+A leader key on no lease is not believed (no master wrote it), and with a
+token, the master etcd names must prove it holds that token's key before the
+channel sends it anything (``MasterCheck``): someone able to write the key in
+etcd can stall a client, but never learn its token.
+
 ``future()`` calls are not retried: their failure only marks the leader for a
 fresh lookup by the next call.
 
@@ -31,13 +36,18 @@ later, once no new calls are started on it).
 
 from __future__ import annotations
 
+import dataclasses
+import hmac
 import logging
+import secrets
 import threading
 import time
 
 import grpc
 
 from kvstore_client.etcd import DEFAULT_PREFIX, Etcd, EtcdTLS, EtcdTLSError, EtcdUnavailable, parse_endpoints
+from kvstore_client.leader_record import NONCE_BYTES, address_of, believable, master_proof
+from kvstore_client.proto import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +73,46 @@ def master_channel(address: str, credentials, options: list | None = None) -> gr
     if is_etcd_address(address):
         endpoints, prefix = parse_etcd_address(address)
         tls = getattr(credentials, "etcd_tls", None) or EtcdTLS.from_env()
-        return LeaderChannel(Etcd(endpoints, tls=tls), prefix, lambda target: credentials.channel(target, options))
+        key = getattr(credentials, "data_key", None)
+        check = None if key is None else MasterCheck(key, credentials, options)
+        return LeaderChannel(
+            Etcd(endpoints, tls=tls), prefix, lambda target: credentials.channel(target, options), check=check
+        )
     return credentials.channel(address, options)
+
+
+class MasterCheck:
+    """Before a token goes to the master etcd names, that master proves it holds the token's
+    key (``Master/Prove``, bound to the address dialled): a master put there by someone who
+    could write to etcd gets no credential. Called with the address; NoLeader when it fails."""
+
+    def __init__(self, key, credentials, options: list | None = None, timeout: float = 5.0):
+        self._key, self._timeout = key, timeout
+        self._anonymous = lambda target: dataclasses.replace(credentials, token=None, key=None).channel(target, options)
+
+    def __call__(self, address: str) -> None:
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        with self._anonymous(address) as channel:
+            prove = channel.unary_unary(
+                "/kvstore.v1.Master/Prove",
+                request_serializer=pb.ProveRequest.SerializeToString,
+                response_deserializer=pb.ProveReply.FromString,
+            )
+            try:
+                reply = prove(pb.ProveRequest(key_id=self._key.key_id, nonce=nonce), timeout=self._timeout)
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise NoLeader(f"the master at {address} is not serving: {exc.details()}") from None
+                raise self._refused(address, f"{exc.code().name}: {exc.details()}") from None
+        if not hmac.compare_digest(reply.proof, master_proof(self._key.key, nonce, address)):
+            raise self._refused(address, "a wrong proof" if reply.proof else "no proof (it checks no tokens)")
+
+    @staticmethod
+    def _refused(address: str, why: str) -> NoLeader:
+        log.warning(
+            "the master etcd names, %s, did not prove it holds this token's key (%s): not using it", address, why
+        )
+        return NoLeader(f"the master at {address} named by etcd could not prove it belongs to this pool ({why})")
 
 
 class NoLeader(Exception):
@@ -78,8 +126,9 @@ class EtcdMisconfigured(NoLeader):
 class LeaderChannel(grpc.Channel):
     """A channel to whichever master leads (see the module docstring)."""
 
-    def __init__(self, etcd: Etcd, prefix: str, dial, default_timeout: float = 10.0):
+    def __init__(self, etcd: Etcd, prefix: str, dial, default_timeout: float = 10.0, check=None):
         self._etcd, self._key, self._dial = etcd, (prefix.rstrip("/") + "/leader").encode(), dial
+        self._check = check  # verifies a new leader before it is dialled with credentials (MasterCheck)
         self._default_timeout = default_timeout
         self._lock = threading.Lock()
         self._address: str | None = None
@@ -108,7 +157,11 @@ class LeaderChannel(grpc.Channel):
             raise NoLeader(f"etcd {','.join(self._etcd.endpoints)} unreachable: {exc}") from None
         if held is None:
             raise NoLeader(f"no leader in etcd under {self._key.decode()}")
-        address = held.value.decode()
+        if not believable(held, None):
+            raise NoLeader(f"the leader key {self._key.decode()} is on no lease: no master wrote it")
+        address = address_of(held.value)
+        if self._check is not None and address != self._address:
+            self._check(address)
         old = None
         with self._lock:
             if address != self._address or self._channel is None:

@@ -206,6 +206,28 @@ class Etcd:
         )
         return reply.succeeded
 
+    def replace_if_revision(self, key: bytes, mod_revision: int, value: bytes | None, lease: int = 0) -> bool:
+        """Put ``key`` = ``value`` on ``lease`` (``value`` None: delete it) only while the key is
+        as last read (its ``mod_revision``); whether it was."""
+        change = (
+            rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=key))
+            if value is None
+            else rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease))
+        )
+        reply = self._call(
+            "kv",
+            "Txn",
+            rpc_pb2.TxnRequest(
+                compare=[
+                    rpc_pb2.Compare(
+                        key=key, target=rpc_pb2.Compare.MOD, result=rpc_pb2.Compare.EQUAL, mod_revision=mod_revision
+                    )
+                ],
+                success=[change],
+            ),
+        )
+        return reply.succeeded
+
     # -- leases -------------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> tuple[int, int]:
         """A new lease: (id, granted TTL in seconds)."""

@@ -20,7 +20,7 @@ from kvstore.master.server import MasterServer
 from kvstore.node.config import StoreConfig
 from kvstore.node.daemon import NodeOptions, StorageNode
 from kvstore.security.access import ADMIN as ADMIN_ROLE, NODE as NODE_ROLE, TENANT as TENANT_ROLE
-from kvstore.security.grpc_gate import METHOD_ROLES
+from kvstore.security.grpc_gate import METHOD_ROLES, OPEN_METHODS
 from kvstore_client import BlockHasher, Client
 from kvstore_client.auth import bearer_metadata
 from kvstore_client.credentials import Credentials
@@ -41,7 +41,8 @@ def all_methods():
     return [(service, method) for service in pb.DESCRIPTOR.services_by_name.values() for method in service.methods]
 
 
-METHODS = all_methods()
+ALL_METHODS = all_methods()
+METHODS = [(s, m) for s, m in ALL_METHODS if f"{s.name}/{m.name}" not in OPEN_METHODS]  # gated ones
 IDS = [f"{s.name}/{m.name}" for s, m in METHODS]
 
 
@@ -113,10 +114,13 @@ ADMIN_ONLY = {"Master/Drain"}  # operator actions: neither nodes nor tenants
 
 def test_every_method_has_roles():
     """A method missing from METHOD_ROLES is refused to everyone: someone must decide who calls it."""
-    declared = {f"{s.name}/{m.name}" for s, m in METHODS}
+    declared = {f"{s.name}/{m.name}" for s, m in ALL_METHODS}
+    assert not OPEN_METHODS & set(METHOD_ROLES), "a method is either open or gated"
+    assert OPEN_METHODS <= declared, "OPEN_METHODS names methods the proto does not declare"
+    declared -= OPEN_METHODS
     assert declared - set(METHOD_ROLES) == set(), "methods with no roles in METHOD_ROLES"
     assert set(METHOD_ROLES) - declared == set(), "METHOD_ROLES names methods the proto does not declare"
-    for service, method in METHODS:  # AuthGate passes streaming handlers through ungated
+    for service, method in ALL_METHODS:  # AuthGate passes streaming handlers through ungated
         assert not method.client_streaming and not method.server_streaming, (
             f"{service.name}/{method.name} streams: teach AuthGate to gate it first"
         )
@@ -280,3 +284,29 @@ def test_a_forged_register_is_refused_and_changes_nothing(pool, channel):
     assert after.indexed_blocks == len(keys_a) + len(keys_b)
     with Client(master.address, token=TENANT_A, data_path="tcp", location_ttl=0) as client:
         assert client.batch_get(keys_a) == [value_for(k, 4 * KiB) for k in keys_a]
+
+
+def test_prove_is_open_and_proves_only_the_callers_own_key(pool):
+    """Master/Prove answers without a token; the proof is an HMAC under the token's key of the
+    nonce and the master's address, checkable by that token's holder only; an unknown key id
+    is UNAUTHENTICATED."""
+    import secrets
+
+    from kvstore_client.auth import DataKey
+    from kvstore_client.leader_record import master_proof
+
+    master = pool[0]
+    with grpc.insecure_channel(master.address) as channel:
+        stub = pb_grpc.MasterStub(channel)
+        nonce = secrets.token_bytes(32)
+        for token in (TENANT_A, NODE):
+            key = DataKey.of_token(token)
+            reply = stub.Prove(pb.ProveRequest(key_id=key.key_id, nonce=nonce), timeout=10)
+            assert reply.proof == master_proof(key.key, nonce, master.address)
+            assert reply.proof != master_proof(DataKey.of_token(TENANT_B).key, nonce, master.address)
+        with pytest.raises(grpc.RpcError) as unknown:
+            stub.Prove(pb.ProveRequest(key_id=DataKey.of_token(WRONG).key_id, nonce=nonce), timeout=10)
+        assert unknown.value.code() == Code.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as short:
+            stub.Prove(pb.ProveRequest(key_id=DataKey.of_token(TENANT_A).key_id, nonce=b"x"), timeout=10)
+        assert short.value.code() == Code.INVALID_ARGUMENT

@@ -16,6 +16,7 @@ class FakeEtcd:
         self.keys: dict[bytes, kv_pb2.KeyValue] = {}
         self.leases: dict[int, int] = {}
         self.next_lease, self.down = 1, False
+        self.revision = 0
 
     def _check(self):
         if self.down:
@@ -43,8 +44,23 @@ class FakeEtcd:
         self._check()
         if key in self.keys:
             return False, self.keys[key]
-        self.keys[key] = kv_pb2.KeyValue(key=key, value=value, lease=lease)
+        self.put(key, value, lease)
         return True, self.keys[key]
+
+    def put(self, key, value, lease=0):
+        """What anyone with write access may do."""
+        self.revision += 1
+        self.keys[key] = kv_pb2.KeyValue(key=key, value=value, lease=lease, mod_revision=self.revision)
+
+    def replace_if_revision(self, key, mod_revision, value, lease=0):
+        self._check()
+        if key not in self.keys or self.keys[key].mod_revision != mod_revision:
+            return False
+        if value is None:
+            del self.keys[key]
+        else:
+            self.put(key, value, lease)
+        return True
 
     def delete_if_lease(self, key, lease):
         if key in self.keys and self.keys[key].lease == lease:
@@ -72,8 +88,8 @@ def world():
     return FakeEtcd(), Clock()
 
 
-def elect(etcd, clock, address, elected=None):
-    return Election(etcd, "/kv", address, ttl_s=2, clock=clock, on_elected=elected)
+def elect(etcd, clock, address, elected=None, pool_key=None):
+    return Election(etcd, "/kv", address, ttl_s=2, clock=clock, on_elected=elected, pool_key=pool_key)
 
 
 def test_the_first_to_create_the_key_leads_and_the_other_stands_by(world):
@@ -122,9 +138,50 @@ def test_a_leader_whose_key_changed_steps_down(world):
     etcd, clock = world
     a = elect(etcd, clock, "a:1")
     a._step()
-    etcd.keys[leader_key("/kv")] = kv_pb2.KeyValue(key=leader_key("/kv"), value=b"z:9", lease=99)
+    etcd.put(leader_key("/kv"), b"z:9", lease=etcd.grant(2)[0])  # another master's, on its lease
     a._step()
     assert not a.is_leader() and a.leader() == "z:9"
+
+
+KEY = leader_key("/kv")
+POOL = b"p" * 32
+
+
+def test_a_key_on_no_lease_is_written_over_by_the_leader_and_deleted_by_a_standby(world):
+    etcd, clock = world
+    a, b = elect(etcd, clock, "a:1"), elect(etcd, clock, "b:2")
+    a._step()
+    etcd.put(KEY, b"evil:1")  # a client of etcd writes the key on no lease
+    a._step()
+    assert a.is_leader() and etcd.keys[KEY].value == b"a:1" and etcd.keys[KEY].lease == a._lease
+    a.stop()  # resigns: the key is gone
+    etcd.put(KEY, b"evil:1")
+    b._step()  # a standby deletes the forged key ...
+    assert KEY not in etcd.keys and b.leader() is None
+    b._step()  # ... and is elected at its next poll
+    assert b.is_leader() and etcd.keys[KEY].value == b"b:2"
+
+
+def test_with_an_access_file_only_keys_with_the_pools_proof_count(world):
+    from kvstore_client.leader_record import believable, encode
+
+    etcd, clock = world
+    a, b = elect(etcd, clock, "a:1", pool_key=POOL), elect(etcd, clock, "b:2", pool_key=POOL)
+    a._step()
+    assert believable(etcd.keys[KEY], POOL) and not believable(etcd.keys[KEY], b"q" * 32)
+    forger_lease = etcd.grant(2)[0]
+    etcd.put(KEY, encode("evil:1", forger_lease, None), lease=forger_lease)  # a live lease, but no proof
+    a._step()
+    assert a.is_leader() and etcd.keys[KEY].value.startswith(b"a:1 ")
+    etcd.put(KEY, encode("evil:1", forger_lease, b"q" * 32), lease=forger_lease)  # a proof under another key
+    b._step()
+    assert not b.is_leader() and b.leader() is None
+    a._step()
+    assert a.is_leader() and etcd.keys[KEY].value.startswith(b"a:1 ")
+    b._step()
+    assert not b.is_leader() and b.leader() == "a:1"  # the real leader's key: followed
+    etcd.put(KEY, etcd.keys[KEY].value, lease=forger_lease)  # the real value, copied onto another lease
+    assert not believable(etcd.keys[KEY], POOL)
 
 
 def test_stop_resigns(world):

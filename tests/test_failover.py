@@ -138,3 +138,82 @@ def test_the_auth_gate_applies_to_standbys_before_the_leader_gate(tmp_path):
                 standby.stop()
         finally:
             leader.stop()
+
+
+class FakeMaster:
+    """A gRPC server anyone could start and name in etcd: it records the metadata of every call
+    (a token sent to it would be stolen) and answers Prove with a made-up proof."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.metadata: list[tuple] = []
+        fake = self
+
+        class Everything(grpc.GenericRpcHandler):
+            def service(self, details):
+                fake.metadata.append(tuple(details.invocation_metadata))
+                if details.method.endswith("/Prove"):
+                    return grpc.unary_unary_rpc_method_handler(
+                        lambda request, context: pb.ProveReply(proof=b"\0" * 32).SerializeToString()
+                    )
+                return grpc.unary_unary_rpc_method_handler(lambda request, context: b"")
+
+        self.server = grpc.server(ThreadPoolExecutor(4), handlers=[Everything()])
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def tokens_seen(self) -> list[str]:
+        return [value for md in self.metadata for key, value in md if key == "authorization"]
+
+    def stop(self):
+        self.server.stop(0)
+
+
+def write_leader_key(endpoint: str, key: bytes, value: bytes, own_lease: bool) -> None:
+    """What any client of etcd with write access can do: put the leader key, on no lease or
+    on a lease of its own."""
+    from kvstore_client.proto.etcd import rpc_pb2
+    from kvstore_client.proto.etcd import rpc_pb2_grpc as rpc_grpc
+
+    with grpc.insecure_channel(endpoint) as channel:
+        lease = (
+            rpc_grpc.LeaseStub(channel).LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=30), timeout=5).ID if own_lease else 0
+        )
+        rpc_grpc.KVStub(channel).Put(rpc_pb2.PutRequest(key=key, value=value, lease=lease), timeout=5)
+
+
+@needs_etcd
+@pytest.mark.parametrize("own_lease", [False, True], ids=["no-lease", "forger's-lease"])
+def test_a_forged_leader_key_neither_deposes_the_leader_nor_gets_a_token(tmp_path, own_lease):
+    from access_files import TENANT_A, access_list
+    from bench.etcd_process import EtcdProcess
+    from kvstore.master.election import EtcdOptions
+    from kvstore.master.server import MasterServer
+    from kvstore_client.errors import ServiceUnavailable
+
+    fake = FakeMaster()
+    try:
+        with EtcdProcess(tmp_path) as etcd:
+            options = EtcdOptions(etcd.endpoint, "/pool", lease_ttl_s=2)
+            leader = MasterServer(access=access_list(tmp_path), etcd=options).start()
+            try:
+                wait_until(lambda: leader.is_leader, 10)
+                address = f"etcd://{etcd.endpoint}/pool"
+                with Client(address, token=TENANT_A) as client:
+                    assert client.cluster_status().nodes is not None
+                    for _ in range(3):
+                        write_leader_key(etcd.endpoint, b"/pool/leader", fake.address.encode(), own_lease)
+                        wait_until(lambda: leader_of(etcd.endpoint, "/pool") == leader.address, 5)
+                        assert leader.is_leader
+                        client.cluster_status()  # the pool goes on serving through it
+                # No master at all under another prefix: the forged key is all a client finds.
+                write_leader_key(etcd.endpoint, b"/empty/leader", fake.address.encode(), own_lease)
+                with Client(f"etcd://{etcd.endpoint}/empty", token=TENANT_A, timeout=2) as client:
+                    with pytest.raises(ServiceUnavailable, match="no master wrote it|could not prove"):
+                        client.cluster_status()
+                assert fake.tokens_seen() == []  # not one call carried a token
+            finally:
+                leader.stop()
+    finally:
+        fake.stop()

@@ -276,6 +276,20 @@ class DeregisterReply(_message.Message):
     known: bool
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
+class ProveRequest(_message.Message):
+    __slots__ = ("key_id", "nonce")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    key_id: bytes
+    nonce: bytes
+    def __init__(self, key_id: _Optional[bytes] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class ProveReply(_message.Message):
+    __slots__ = ("proof",)
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    proof: bytes
+    def __init__(self, proof: _Optional[bytes] = ...) -> None: ...
+
 class PeersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

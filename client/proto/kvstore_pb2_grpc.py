@@ -89,6 +89,11 @@ class MasterStub:
                 request_serializer=kvstore__pb2.PeersRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.PeersReply.FromString,
                 _registered_method=True)
+        self.Prove = channel.unary_unary(
+                '/kvstore.v1.Master/Prove',
+                request_serializer=kvstore__pb2.ProveRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.ProveReply.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -164,6 +169,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prove(self, request, context):
+        """The master proving it holds the caller's token (callers without a token allowed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -221,6 +233,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Peers,
                     request_deserializer=kvstore__pb2.PeersRequest.FromString,
                     response_serializer=kvstore__pb2.PeersReply.SerializeToString,
+            ),
+            'Prove': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prove,
+                    request_deserializer=kvstore__pb2.ProveRequest.FromString,
+                    response_serializer=kvstore__pb2.ProveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -520,6 +537,33 @@ class Master:
             '/kvstore.v1.Master/Peers',
             kvstore__pb2.PeersRequest.SerializeToString,
             kvstore__pb2.PeersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Master/Prove',
+            kvstore__pb2.ProveRequest.SerializeToString,
+            kvstore__pb2.ProveReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,6 +13,14 @@ key every ``poll_s`` (default 0.1 s; a watch would save those reads, the
 takeover time is bounded by the lease TTL either way). When the leader dies its
 lease lapses, etcd deletes the key, and the next standby to poll creates it.
 
+A key no master of this pool wrote is ignored (kvstore_client.leader_record):
+one on no lease, or, with an access file, one without the proof that the pool
+key (derived from the admin and node tokens) gives a leader's address and
+lease. A standby deletes such a key and campaigns; a leader writes its own
+back. So a client of etcd that may write the key (a tenant, where etcd's roles
+allow it) cannot take the pool over; docs/security.md gives the etcd roles
+that keep everyone but the masters from writing it at all.
+
 Fencing: ``is_leader()`` is true only while this master created the key, has
 not seen it change since, and its lease's *local* deadline has not passed.
 The deadline is taken from the moment each keep-alive (or the grant) was
@@ -57,6 +65,7 @@ from typing import Callable
 import grpc
 
 from kvstore_client.etcd import DEFAULT_PREFIX, Etcd, EtcdTLS, EtcdUnavailable
+from kvstore_client.leader_record import address_of, believable, encode
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +100,21 @@ class Election:
         on_elected: Callable[[], None] | None = None,
         poll_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
+        pool_key: bytes | None = None,
     ):
         if ttl_s < 1:
             raise ValueError(f"the lease TTL must be at least 1 s, got {ttl_s}")
         self._etcd, self.key, self.address = etcd, leader_key(prefix), address
         self.ttl_s, self._poll_s, self._clock = ttl_s, poll_s, clock
         self._on_elected = on_elected
+        self._pool_key = pool_key  # signs this master's leader key, checks others' (None: no access file)
         self._lease: int | None = None
         self._deadline = 0.0  # local: the lease is surely live before this
         self._next_keepalive = 0.0
         self._leading = False
         self._leader: str | None = None  # the leader's address as last read from etcd
         self._quiet = False  # etcd unreachable: said once
+        self._forged_seen = 0  # mod revision of the last forged leader key logged
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="master-election", daemon=True)
         self.terms = 0  # how many times this master was elected
@@ -174,11 +186,18 @@ class Election:
             self._next_keepalive = now + ttl / 3
         if self._leading:
             held = self._etcd.get(self.key)
-            if held is None or held.lease != self._lease:
-                self._leader = held.value.decode() if held is not None else None
-                self._step_down("the leader key is no longer its own")
+            if held is None:  # deleted (a standby cleaning a forged key, an operator): take it back if free
+                created, held = self._etcd.create(self.key, self._value(), self._lease)
+            if held is not None and held.lease == self._lease:
+                return
+            if held is not None and not believable(held, self._pool_key):
+                self._ignore(held, "writing its own back")
+                self._etcd.replace_if_revision(self.key, held.mod_revision, self._value(), self._lease)
+                return
+            self._leader = address_of(held.value) if held is not None else None
+            self._step_down("the leader key is no longer its own")
             return
-        created, held = self._etcd.create(self.key, self.address.encode(), self._lease)
+        created, held = self._etcd.create(self.key, self._value(), self._lease)
         if created or (held is not None and held.lease == self._lease):
             if self._on_elected is not None:
                 self._on_elected()
@@ -186,8 +205,26 @@ class Election:
             self.terms += 1
             self._leading = True
             log.info("elected leader (%s, lease %x, TTL %d s)", self.address, self._lease, self.ttl_s)
+        elif held is not None and not believable(held, self._pool_key):
+            self._ignore(held, "deleting it to campaign")
+            self._leader = None
+            self._etcd.replace_if_revision(self.key, held.mod_revision, None)
         else:
-            self._leader = held.value.decode() if held is not None else None
+            self._leader = address_of(held.value) if held is not None else None
+
+    def _value(self) -> bytes:
+        return encode(self.address, self._lease or 0, self._pool_key)
+
+    def _ignore(self, held, action: str) -> None:
+        """Say (once per forged write) that a leader key no master of this pool wrote is ignored."""
+        if held.mod_revision != self._forged_seen:
+            self._forged_seen = held.mod_revision
+            log.warning(
+                "ignoring a leader key that no master of this pool wrote (%s, naming %s): %s",
+                "on no lease" if held.lease == 0 else "without this pool's proof",
+                address_of(held.value)[:80],
+                action,
+            )
 
     def _margin(self, ttl: int) -> float:
         return max(0.25, 0.1 * ttl)

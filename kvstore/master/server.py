@@ -36,7 +36,7 @@ from typing import Callable
 import grpc
 
 from kvstore.master.drain import Drainer
-from kvstore.master.election import Election, EtcdOptions, LeaderGate
+from kvstore.master.election import Election, EtcdOptions, LeaderGate, leader_key
 from kvstore.master.conductor_port import ConductorPort
 from kvstore.master.conductor_service import ConductorServicer, SchedulingOptions
 from kvstore.scheduler.cost_model import CostModel
@@ -54,6 +54,7 @@ from kvstore.security.grpc_gate import AuthGate
 from kvstore.security.tls import ServerTLS
 from kvstore_client.credentials import NO_CREDENTIALS, Credentials
 from kvstore_client.errors import ConfigError
+from kvstore_client.leader_record import master_proof
 
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class MasterServer:
             self.quotas,
             drainer=self.drainer,
             conductor_address=lambda: self.conductor_address or "",
+            prover=self._prove if access is not None else None,
         )
         self.conductor = ConductorServicer(
             self.index, self.replicator, scheduling or SchedulingOptions(), self.servicer.count_rpc, cost=cost
@@ -150,15 +152,29 @@ class MasterServer:
 
         etcd = Etcd(options.endpoints, tls=options.tls)
         try:
-            etcd.get(b"/")  # one round trip: TLS settings are checked here, not in the campaign's logs
+            etcd.get(leader_key(options.prefix))  # TLS checked here, not in the campaign's logs (and a key it may read)
         except EtcdTLSError:
             etcd.close()
             raise
         except (EtcdUnavailable, grpc.RpcError) as exc:
             log.warning("etcd %s not reachable yet (%s): standing by", options.endpoints, exc)
         self.election = Election(
-            etcd, options.prefix, options.advertise or self.address, options.lease_ttl_s, on_elected=self.reset_state
+            etcd,
+            options.prefix,
+            options.advertise or self.address,
+            options.lease_ttl_s,
+            on_elected=self.reset_state,
+            pool_key=self.access.pool_key() if self.access is not None else None,
         ).start()
+
+    def _prove(self, key_id: bytes, nonce: bytes) -> bytes | None:
+        """Prove (to a client about to send it a token) that this master holds that token's key,
+        bound to the address etcd names it by; None for a key of no token here."""
+        found = self.access.data_key(key_id) if self.access is not None else None
+        if found is None:
+            return None
+        election = self.election
+        return master_proof(found[0].key, nonce, election.address if election is not None else self.address)
 
     def reset_state(self) -> None:
         """Forget every node (and so the whole index): what a master elected leader does first."""
@@ -214,7 +230,13 @@ class MasterServer:
                 serving=self._serving,
             )
         if self._metrics_port is not None:
-            self._metrics = MetricsServer(self._metrics_port, self.collect_metrics, host=self.host, access=self.access)
+            self._metrics = MetricsServer(
+                self._metrics_port,
+                self.collect_metrics,
+                host=self.host,
+                access=self.access,
+                tls=self.tls.server_context() if self.tls is not None else None,  # HTTPS: tokens not in clear
+            )
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop accepting RPCs, finish in-flight ones within ``grace`` seconds, stop the threads."""

@@ -55,6 +55,7 @@ from kvstore_client.errors import (
 )
 from kvstore.security.grpc_gate import caller, require_namespace
 from kvstore_client.keys import check_namespace
+from kvstore_client.leader_record import NONCE_BYTES
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 
@@ -143,8 +144,10 @@ class MasterServicer(pb_grpc.MasterServicer):
         quotas: Quotas | None = None,
         drainer: Drainer | None = None,
         conductor_address: Callable[[], str] = lambda: "",
+        prover: Callable[[bytes, bytes], bytes | None] | None = None,
     ):
         self.membership = membership
+        self.prover = prover  # (key id, nonce) -> proof, None for an unknown key (Prove); None: no access file
         self.conductor_address = conductor_address  # the master's conductor port, for ClusterStatus
         self.drainer = drainer  # serves Drain; without one Drain is refused (INVALID_ARGUMENT)
         self.quotas = quotas  # tenant quotas (kvstore.master.quotas), when the access file sets any
@@ -222,6 +225,17 @@ class MasterServicer(pb_grpc.MasterServicer):
         if known:
             log.info("node %s left (deregistered) with its blocks", request.node_id)
         return pb.DeregisterReply(known=known)
+
+    @_rpc
+    def Prove(self, request, context):
+        if self.prover is None:
+            return pb.ProveReply()
+        if len(request.nonce) != NONCE_BYTES:
+            raise InvalidRequest(f"a nonce is {NONCE_BYTES} bytes, got {len(request.nonce)}")
+        proof = self.prover(request.key_id, request.nonce)
+        if proof is None:
+            raise Unauthenticated("Prove: this master holds no such key")
+        return pb.ProveReply(proof=proof)
 
     @_rpc
     def Peers(self, request, context):

@@ -4,7 +4,8 @@ With an access file, ``AuthGate`` (a server interceptor) reads the bearer token
 of each call, refuses a missing or unknown one (UNAUTHENTICATED) and a role the
 method does not admit (PERMISSION_DENIED), and runs the method with the
 caller's Principal in a context variable, where servicers read it with
-``caller()`` to check namespaces. A refused call is answered from its metadata:
+``caller()`` to check namespaces. ``OPEN_METHODS`` (Prove: the master proving
+itself to a client before that client sends a token) are served to anyone. A refused call is answered from its metadata:
 its body is never read into a message nor parsed. A method missing from METHOD_ROLES is refused
 to everyone: a new RPC is closed until someone decides who may call it.
 Without an access file there is no gate and ``caller()`` is ANYONE.
@@ -40,6 +41,10 @@ METHOD_ROLES: dict[str, frozenset] = {
     "Conductor/ReportRequest": _DATA,
     "Conductor/DeregisterEngine": _DATA,
 }
+
+# Methods any caller may use, with or without a token: they reveal nothing and change nothing.
+OPEN_METHODS = frozenset({"Master/Prove"})  # a client checking the master before it sends a token
+NOBODY = Principal("", TENANT)  # the caller of an open method: a tenant of no namespace
 
 _CALLER: contextvars.ContextVar[Principal] = contextvars.ContextVar("kvstore_caller", default=ANYONE)
 
@@ -89,8 +94,10 @@ class AuthGate(grpc.ServerInterceptor):
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"{short_name(details.method)}: streaming methods are not served under an access file",
             )
-        principal = self._access.bearer(token_from_metadata(details.invocation_metadata))
         method = short_name(details.method)
+        if method in OPEN_METHODS:
+            return _as(handler, NOBODY)
+        principal = self._access.bearer(token_from_metadata(details.invocation_metadata))
         if principal is None:
             return _refusal(
                 handler,
