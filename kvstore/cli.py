@@ -270,6 +270,23 @@ def connection_options(f):
             show_default=True,
             help="Largest item table one request may carry (FRAME_TOO_LARGE past it).",
         ),
+        click.option(
+            "--auth-timeout",
+            type=POSITIVE_FLOAT,
+            default=defaults.auth_timeout,
+            show_default=True,
+            help="With --auth: seconds, in all, a data-plane connection has to authenticate (TLS "
+            "handshake included); closed past them, however it trickles bytes.",
+        ),
+        click.option(
+            "--max-unauthenticated",
+            type=click.IntRange(min=1),
+            default=defaults.max_unauthenticated,
+            show_default=True,
+            help="With --auth: data-plane connections that may wait to authenticate at once; one more "
+            "closes the oldest of them. They never take a slot of --max-connections from an "
+            "authenticated client.",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -618,7 +635,11 @@ def master(
         as_json,
         [f"kvstore master listening on {server.address}"]
         + ([f"campaigning for leadership in etcd {etcd_endpoints} under {etcd_prefix}"] if etcd else [])
-        + ([f"metrics on http://{server.metrics_address}/metrics"] if server.metrics_address else [])
+        + (
+            [f"metrics on {'https' if security.tls else 'http'}://{server.metrics_address}/metrics"]
+            if server.metrics_address
+            else []
+        )
         + ([f"conductor port on {server.conductor_address}"] if server.conductor_address else [])
         + kv_events_lines(server),
         {
@@ -830,7 +851,7 @@ def node_lines(storage) -> list[str]:
     if cfg.ssd_path:
         lines.append(f"  SSD tier {format_size(cfg.ssd_capacity)} under {cfg.ssd_path}")
     if info.metrics_address:
-        lines.append(f"  metrics on http://{info.metrics_address}/metrics")
+        lines.append(f"  metrics on {storage.metrics.scheme}://{info.metrics_address}/metrics")
     return lines
 
 
@@ -929,7 +950,12 @@ def up(
 
 @main.command()
 @click.argument("name")
-@click.option("--role", type=click.Choice(["admin", "node", "tenant"]), required=True, help="What the token may do.")
+@click.option(
+    "--role",
+    type=click.Choice(["admin", "node", "tenant", "metrics"]),
+    required=True,
+    help="What the token may do (metrics: scrape the Prometheus endpoints, nothing else).",
+)
 @click.option(
     "--namespace",
     "namespaces",

@@ -8,14 +8,20 @@ checks (spec and the reasons: ``proto/conductor.md``; the codec: ``kvstore_clien
 
 One accepting thread and one thread per connection, on blocking sockets; a connection's frames
 are answered in order. What a caller may hold is bounded: ``max_connections`` at once (one more
-gets BUSY and is closed), ``idle_timeout`` seconds of silence (``auth_timeout`` before the first
-frame, under an access file) and ``MAX_BODY_BYTES`` a frame, checked from the header before
-anything is read; no body is read before a connection has proven its token. A frame that
-breaks the format gets BAD_FRAME and the connection is closed; a body that does not parse is
-INVALID and the connection goes on.
+gets BUSY and is closed), ``idle_timeout`` seconds of silence and ``MAX_BODY_BYTES`` a frame,
+checked from the header before anything is read; no body is read before a connection has proven
+its token. Under an access file a connection has ``auth_timeout`` seconds in all (TLS handshake
+included) to authenticate, however it trickles bytes, and at most ``max_unauthenticated`` wait to:
+they are listed apart (``transport.limits.PendingConnections``, watched by a thread of their own
+that sleeps while none waits), a new one drops the oldest, and they never take a slot from an
+authenticated caller (BUSY only when every slot is authenticated). A frame that breaks the format
+gets BAD_FRAME and the connection is closed; a body that does not parse is INVALID and the
+connection goes on. An accept() that fails (EMFILE) pauses the accepting thread
+(``transport.limits.AcceptBackoff``).
 
 Security is the gRPC gate's: with an access file a connection's first frame must be AUTH with a
-token of that file (else UNAUTHENTICATED, and closed), each call needs a role its gRPC method
+token of that file (else UNAUTHENTICATED, and closed; a metrics token, which may only scrape,
+PERMISSION_DENIED and closed), each call needs a role its gRPC method
 admits (``security.grpc_gate.METHOD_ROLES``), and runs as the token's principal, so the
 conductor checks its namespace as on gRPC. Under TLS the port is TLS with the master's
 certificate. A master on etcd answers UNAVAILABLE while it is not the leader.
@@ -34,9 +40,15 @@ from google.protobuf.message import DecodeError
 
 from kvstore.master.conductor_service import ConductorServicer, ScheduleRejected
 from kvstore.master.service import status_for
-from kvstore.security.access import ANYONE, AccessList, Principal
+from kvstore.security.access import ANYONE, SERVICE_ROLES, AccessList, Principal
 from kvstore.security.grpc_gate import METHOD_ROLES, serving_as
-from kvstore.transport.limits import AUTH_TIMEOUT, set_idle_timeout
+from kvstore.transport.limits import (
+    AUTH_TIMEOUT,
+    MAX_UNAUTHENTICATED,
+    AcceptBackoff,
+    PendingConnections,
+    set_idle_timeout,
+)
 from kvstore_client.conductor_wire import (
     BODIES,
     GRPC_NAMES,
@@ -94,10 +106,13 @@ class ConductorPort:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
         auth_timeout: float = AUTH_TIMEOUT,
+        max_unauthenticated: int = MAX_UNAUTHENTICATED,
     ):
         self._count = count
         self._access, self._tls, self._serving = access, tls, serving
         self._max_connections, self._idle_timeout, self._auth_timeout = max_connections, idle_timeout, auth_timeout
+        # Connections yet to authenticate (under an access file): counted apart, each with a deadline.
+        self._pending = PendingConnections(max_unauthenticated, auth_timeout) if access is not None else None
         self._handlers = {Method.SCHEDULE: servicer.schedule, Method.REPORT_REQUEST: servicer.report_request}
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._host, self._port = host, self._listener.getsockname()[1]
@@ -105,6 +120,10 @@ class ConductorPort:
         self._conns: set[socket.socket] = set()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="conductor-port", daemon=True)
+        self._watcher = None
+        if self._pending is not None:
+            watch = self._pending.watch
+            self._watcher = threading.Thread(target=watch, args=(self._stopping,), name="conductor-auth", daemon=True)
 
     @classmethod
     def open(cls, servicer: ConductorServicer, count: Callable, host: str, port: int, **kwargs) -> "ConductorPort":
@@ -114,6 +133,8 @@ class ConductorPort:
         except OSError as exc:
             raise ConfigError(f"the conductor port cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         served._thread.start()
+        if served._watcher is not None:
+            served._watcher.start()
         return served
 
     @property
@@ -130,6 +151,9 @@ class ConductorPort:
 
     def stop(self) -> None:
         self._stopping.set()
+        if self._pending is not None:
+            self._pending.wake()  # its watcher returns
+            self._pending.expire(everything=True)
         try:  # shutdown wakes the accepting thread; a close alone leaves it listening
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -145,22 +169,38 @@ class ConductorPort:
 
     # -- connections ------------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        backoff = AcceptBackoff("conductor port", log)
         while not self._stopping.is_set():
             try:
                 sock, peer = self._listener.accept()
-            except OSError:
-                return  # closed by stop()
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return  # closed by stop()
+                pause = backoff.failed(exc)
+                if pause and self._stopping.wait(pause):
+                    return
+                continue
+            backoff.accepted()
             if self._stopping.is_set():
                 sock.close()
                 return
-            with self._lock:
-                full = len(self._conns) >= self._max_connections
-                if not full:
-                    self._conns.add(sock)
-            if full:
+            if self._admit(sock):
+                threading.Thread(target=self._serve, args=(sock, peer), name="conductor-conn", daemon=True).start()
+            else:
                 self._refuse(sock)
-                continue
-            threading.Thread(target=self._serve, args=(sock, peer), name="conductor-conn", daemon=True).start()
+
+    def _admit(self, sock: socket.socket) -> bool:
+        """Count ``sock`` in, or False when every slot is taken by an authenticated caller. One
+        that must authenticate is listed apart; at the limit it takes the oldest such one's slot."""
+        with self._lock:
+            full = len(self._conns) >= self._max_connections
+            pending = self._pending
+            if pending is not None and (not full or len(pending)):
+                pending.enter(sock.fileno(), make_room=full)  # listed before its thread starts
+                full = False
+            if not full:
+                self._conns.add(sock)
+        return not full
 
     def _refuse(self, sock: socket.socket) -> None:
         """BUSY to a connection past the limit, from the accepting thread and without waiting
@@ -176,12 +216,13 @@ class ConductorPort:
             sock.close()
 
     def _serve(self, sock: socket.socket, peer) -> None:
-        conn = sock
+        conn, fd = sock, sock.fileno()
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_idle_timeout(sock, self._auth_timeout if self._access is not None else self._idle_timeout)
-            if self._tls is not None:
-                conn = self._tls.wrap_socket(sock, server_side=True)
+            if self._tls is not None:  # the handshake after the wrap: a failed one leaves the descriptor to us
+                conn = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                conn.do_handshake()
             principal = ANYONE if self._access is None else None
             while True:
                 principal = self._one_frame(conn, principal)
@@ -192,6 +233,8 @@ class ConductorPort:
         finally:
             with self._lock:
                 self._conns.discard(sock)
+            if self._pending is not None:
+                self._pending.leave(fd)  # before the close: a listed descriptor is still this socket
             try:
                 conn.close()
             except OSError:
@@ -231,6 +274,12 @@ class ConductorPort:
             message = b"token refused" if found is None else b"AUTH again on an authenticated connection"
             _reply(conn, Status.UNAUTHENTICATED if found is None else Status.BAD_FRAME, request_id, message)
             raise _Closing
+        if found.role not in SERVICE_ROLES:
+            message = f"token {found.name!r} ({found.role}) may only scrape metrics".encode()
+            _reply(conn, Status.PERMISSION_DENIED, request_id, message)
+            raise _Closing
+        if self._pending is not None and not self._pending.leave(conn.fileno()):
+            raise _Closing  # past its deadline, or dropped for a newer one: already shut down
         set_idle_timeout(conn, self._idle_timeout)
         _reply(conn, Status.OK, request_id, found.name.encode())
         return found

@@ -172,7 +172,11 @@ class StorageNode:
             from kvstore.node.node_metrics import node_metrics
 
             self.metrics = MetricsServer(
-                opts.metrics_port, lambda: node_metrics(self), host=opts.host, access=opts.access
+                opts.metrics_port,
+                lambda: node_metrics(self),
+                host=opts.host,
+                access=opts.access,
+                tls=opts.tls.server_context() if opts.tls else None,  # HTTPS: tokens not in clear
             )
         if opts.master:
             from kvstore.node.master_agent import MasterAgent

@@ -2,9 +2,13 @@
 
     [tokens.acme]
     secret = "..."                     # or secret_sha256 = "<hex of sha256(secret)>"
-    role = "tenant"                    # admin | node | tenant
+    role = "tenant"                    # admin | node | tenant | metrics
     namespaces = ["acme", "acme-*"]    # tenants only: exact names, or prefixes ending in *
     quota = "64GiB"                    # tenants only, optional: bytes held across the pool
+
+A metrics token may scrape the Prometheus endpoints and nothing else: every gRPC
+method, the conductor port and the data plane refuse it (they admit only
+``SERVICE_ROLES``); an admin token may scrape too (``SCRAPE_ROLES``).
 
 The file is as secret as the tokens (its hashes key the data plane's
 challenge-response), so it must not be readable by group or others: loading
@@ -23,11 +27,14 @@ from dataclasses import dataclass, field
 from kvstore_client.auth import DataKey
 from kvstore_client.errors import ConfigError
 from kvstore_client.keys import check_namespace
+from kvstore_client.leader_record import pool_key
 from kvstore.toml_files import read_toml
 from kvstore.units import parse_size
 
-ADMIN, NODE, TENANT = "admin", "node", "tenant"
-ROLES = (ADMIN, NODE, TENANT)
+ADMIN, NODE, TENANT, METRICS = "admin", "node", "tenant", "metrics"
+ROLES = (ADMIN, NODE, TENANT, METRICS)
+SERVICE_ROLES = frozenset({ADMIN, NODE, TENANT})  # may call the services (each method its own subset)
+SCRAPE_ROLES = frozenset({ADMIN, METRICS})  # may read /metrics
 MIN_SECRET_CHARS = 16
 _ENTRY_KEYS = {"secret", "secret_sha256", "role", "namespaces", "quota"}
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -37,7 +44,7 @@ _HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 @dataclass(frozen=True)
 class Principal:
     """Who a caller is once its token checked out. Tenants are confined to their namespaces
-    (``may_use``); admins and nodes are not."""
+    (``may_use``); admins and nodes are not; a metrics token reaches none."""
 
     name: str
     role: str
@@ -52,11 +59,11 @@ class Principal:
 
     @property
     def confined(self) -> bool:
-        """Whether the namespaces bind this principal (tenants)."""
-        return self.role == TENANT
+        """Whether the namespaces bind this principal (tenants; metrics tokens, which have none)."""
+        return self.role not in (ADMIN, NODE)
 
     def may_use(self, namespace: str) -> bool:
-        if self.role != TENANT:
+        if self.role in (ADMIN, NODE):
             return True
         return namespace in self._exact or namespace.startswith(self._prefixes)
 
@@ -139,6 +146,12 @@ class AccessList:
 
     def principals(self) -> list[Principal]:
         return [e.principal for e in self._entries]
+
+    def pool_key(self) -> bytes:
+        """The key masters sign the leader key in etcd with, and masters and nodes check it by
+        (kvstore_client.leader_record): derived from the admin and node tokens, so tenants
+        cannot derive it."""
+        return pool_key(e.key.key for e in self._entries if e.principal.role in (ADMIN, NODE))
 
 
 def check_token_name(name: str, where: str = "") -> str:

@@ -182,7 +182,7 @@ class ServiceSecurity:
                 raise ConfigError(f"--token (or KVSTORE_TOKEN) is not a token of {auth_file}")
             if principal.confined:
                 raise ConfigError(
-                    f"--token (or KVSTORE_TOKEN) is tenant {principal.name!r}'s; a service runs with a "
+                    f"--token (or KVSTORE_TOKEN) is {principal.role} {principal.name!r}'s; a service runs with a "
                     "node or admin token"
                 )
         if tls is not None:

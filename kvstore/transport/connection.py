@@ -15,7 +15,11 @@ half-written and no DRAM held).
 
 On a node with an access file a connection is served nothing but AUTH until
 it has proven a token (kvstore.transport.auth); from then on every key of
-every table is checked against the token's namespaces (``admitted``).
+every table is checked against the token's namespaces (``admitted``). Until
+then it is on the server's list of connections authenticating
+(``server.unauthenticated``), which shuts it down at its deadline or for a newer
+one; it leaves the list when it authenticates, or before it closes its socket.
+A token of a role that may not use the data plane (metrics) is refused.
 
 What it holds before a client's bytes arrive is bounded: nothing is sized from a
 header alone (tables are gathered as they arrive, up to ``max_table_bytes``),
@@ -45,7 +49,7 @@ from kvstore_client.wire import (
     status_of,
     unpack_header,
 )
-from kvstore.security.access import ANYONE, TENANT, Principal
+from kvstore.security.access import ANYONE, SERVICE_ROLES, TENANT, Principal
 from kvstore.transport.leases import LeaseTable
 from kvstore.transport.limits import NODE_OPS, SAME_HOST_OPS, same_host, set_idle_timeout
 from kvstore.transport.ops import OPS, end_group
@@ -79,6 +83,7 @@ class Connection:
         self.server = server
         self.store = server.store
         self.sock = sock
+        self.fd = sock.fileno()  # the same under TLS: how server.unauthenticated knows it
         self.peer = peer
         self.reader = FrameReader(sock)
         self.max_frame_bytes = server.max_frame_bytes
@@ -90,12 +95,24 @@ class Connection:
         # Who the client is: ANYONE on a node without an access file, else None until AUTH succeeds.
         self.principal: Principal | None = ANYONE if server.access is None else None
         self.pending_proof = None  # kvstore.transport.auth.PendingProof between the two AUTH frames
+        self.pending_auth = False  # on server.unauthenticated (set by the server before serve() starts)
         self._confined = False
         self._admitted: dict[str, bool] = {}
         self._usage = None  # the node's TenantUsage, for a tenant with a quota
 
     def authenticated(self, principal: Principal) -> None:
-        """The client proved its token (transport/auth.py): serve it, within its namespaces."""
+        """The client proved its token (transport/auth.py): serve it, within its namespaces.
+        PERMISSION_DENIED for a role that may not use the data plane; UNAUTHENTICATED when the
+        connection was dropped meanwhile (past its deadline, or for a newer one)."""
+        if principal.role not in SERVICE_ROLES:
+            raise ProtocolError(
+                f"token {principal.name!r} ({principal.role}) may only scrape metrics, not use the data plane",
+                Status.PERMISSION_DENIED,
+            )
+        if self.pending_auth:
+            self.pending_auth = False
+            if not self.server.unauthenticated.leave(self.fd):
+                raise ProtocolError("authentication took longer than the node allows", Status.UNAUTHENTICATED)
         self.principal = principal
         self._confined = principal.confined
         usage = self.server.usage
@@ -173,12 +190,16 @@ class Connection:
             self.close()
 
     def _start_tls(self) -> None:
-        """The TLS handshake, in this connection's thread (a slow client delays no one else)."""
-        from kvstore_client.tls import wrap_server
+        """The TLS handshake, in this connection's thread (a slow client delays no one else).
+        The socket is wrapped first and shaken hands with after, so a failed handshake leaves
+        its descriptor open for ``close`` (which unlists it first)."""
+        from kvstore_client.tls import TLSSocket
 
         try:
-            self.sock = wrap_server(self.sock, self.server.tls)
-        except (ssl.SSLError, OSError) as exc:
+            tls = self.server.tls.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
+            self.sock = TLSSocket(tls)
+            tls.do_handshake()
+        except (ssl.SSLError, OSError, ValueError) as exc:
             raise TransportError(f"TLS handshake failed: {exc}") from None
         self.reader = FrameReader(self.sock)
 
@@ -253,6 +274,9 @@ class Connection:
     # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
         """Release every lease, revoke every open reservation, close the socket (idempotent)."""
+        if self.pending_auth:  # off the list before the descriptor can be reused
+            self.pending_auth = False
+            self.server.unauthenticated.leave(self.fd)
         self.leases.release_all()
         for group in self.reservations.drain():
             try:

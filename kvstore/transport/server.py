@@ -14,13 +14,17 @@ block directory marked alive for same-host one-sided readers.
 
 With an access file (``access``) every connection proves a token before
 anything else is served, and each key it names is checked against the
-token's namespaces (connection.py, auth.py).
+token's namespaces (connection.py, auth.py). It has ``auth_timeout`` seconds in
+all to do so, and at most ``max_unauthenticated`` connections wait to: they are
+listed apart (``limits.PendingConnections``; the housekeeping thread drops those
+past their deadline), so they never take the place of authenticated ones.
 
 What one client may hold is bounded (limits.py): at most ``max_connections``
-connections at once (one more is refused with a BUSY error frame), each closed
-after ``idle_timeout`` seconds without a byte, item tables of at most
-``max_table_bytes``, and the ops that hold node memory (reservations, grants,
-leases) only over the Unix socket.
+connections at once (one more is refused with a BUSY error frame, unless it can
+take the place of one still authenticating), each closed after ``idle_timeout``
+seconds without a byte, item tables of at most ``max_table_bytes``, and the ops
+that hold node memory (reservations, grants, leases) only over the Unix socket.
+An accept() that fails (EMFILE) pauses the accepting thread (``limits.AcceptBackoff``).
 
 Thread-safety: ``start``/``stop`` are for the owner's thread; ``_lock``
 guards only the set of live connections (it is never held while calling the
@@ -42,7 +46,13 @@ from kvstore_client.wire import MAX_ITEMS, VERSION
 from kvstore.security.access import AccessList
 from kvstore.transport.allowance import Allowance
 from kvstore.transport.connection import Connection
-from kvstore.transport.limits import AUTH_TIMEOUT, ConnectionLimits, Refusals, set_idle_timeout
+from kvstore.transport.limits import (
+    AcceptBackoff,
+    ConnectionLimits,
+    PendingConnections,
+    Refusals,
+    set_idle_timeout,
+)
 from kvstore.transport.ops import end_group
 from kvstore.transport.puller import BlockPuller
 from kvstore.transport.store_api import ServedStore
@@ -101,6 +111,10 @@ class DataPlaneServer:
         self.tls = tls
         self.usage = usage
         self._refusals = Refusals()
+        # Connections yet to authenticate (with an access file): counted apart, each with a deadline.
+        self.unauthenticated: PendingConnections | None = None
+        if access is not None:
+            self.unauthenticated = PendingConnections(self.limits.max_unauthenticated, self.limits.auth_timeout)
         self.allowance = Allowance(max_frame_bytes)  # RESERVE space past the grant cap, node-wide (ops.py)
         self._stopped = threading.Event()  # wakes the housekeeping thread
         self._listeners: list[socket.socket] = []
@@ -156,6 +170,8 @@ class DataPlaneServer:
         for thread in self._threads:
             thread.join(timeout)
         self._refusals.close_due(everything=True)
+        if self.unauthenticated is not None:
+            self.unauthenticated.expire(everything=True)  # wakes a TLS handshake too (by descriptor)
         for conn, _ in live:
             conn.shutdown()
         for _, thread in live:
@@ -189,6 +205,8 @@ class DataPlaneServer:
             "max_connections": self.limits.max_connections,
             "idle_timeout": self.limits.idle_timeout,
             "write_ttl": self.limits.write_ttl,
+            "auth_timeout": self.limits.auth_timeout,
+            "max_unauthenticated": self.limits.max_unauthenticated,
             "directory": None if directory is None else directory.name,
         }
 
@@ -199,14 +217,18 @@ class DataPlaneServer:
 
     # -- threads ---------------------------------------------------------------------------
     def _accept_loop(self, listener: socket.socket) -> None:
+        backoff = AcceptBackoff(f"data plane ({listener.family.name})", log)
         while True:
             try:
                 sock, peer = listener.accept()
-            except OSError:
+            except OSError as exc:
                 if self._stopping:
                     return
-                log.exception("data-plane accept failed")
+                pause = backoff.failed(exc)
+                if pause and self._stopped.wait(pause):
+                    return
                 continue
+            backoff.accepted()
             self._serve_later(sock, peer)
 
     def _housekeeping(self) -> None:
@@ -220,6 +242,8 @@ class DataPlaneServer:
                 directory.beat(DIRECTORY_LIFETIME)
             if len(self._refusals):
                 self._refusals.close_due()
+            if self.unauthenticated is not None and len(self.unauthenticated):
+                self.unauthenticated.expire()  # past auth_timeout: closed, however they trickle
             if self._stopped.wait(period):
                 return
             now = time.monotonic()
@@ -255,7 +279,8 @@ class DataPlaneServer:
     def _serve_later(self, sock: socket.socket, peer) -> None:
         idle = self.limits.idle_timeout
         if self.access is not None:  # until it authenticates (Connection.authenticated)
-            idle = min(idle or AUTH_TIMEOUT, AUTH_TIMEOUT)
+            auth = self.limits.auth_timeout
+            idle = min(idle or auth, auth)
         set_idle_timeout(sock, idle)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -269,6 +294,11 @@ class DataPlaneServer:
                 sock.close()
                 return
             full = len(self._connections) >= self.limits.max_connections
+            pending = self.unauthenticated
+            if pending is not None and (not full or len(pending)):
+                conn.pending_auth = True  # listed before its thread starts: it leaves the list itself
+                pending.enter(conn.fd, make_room=full)  # full: the oldest still authenticating goes
+                full = False
             if not full:
                 self._connections[conn] = thread
         if full:
