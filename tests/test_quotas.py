@@ -71,10 +71,16 @@ def test_a_node_counts_the_bytes_each_tenant_holds_through_writes_replacements_a
         assert usage.held() == {"acme": 1000 + 100}
         store.remove(("acme", b"before"))
         assert usage.held() == {"acme": 100}
-        acme = access().bearer(ACME)
-        assert usage.admits(acme, QUOTA - 100) and not usage.admits(acme, QUOTA - 99)
+        assert not usage.charge("acme", QUOTA - 99) and usage.charged() == {"acme": 0}
+        assert usage.charge("acme", QUOTA - 100) and usage.charged() == {"acme": QUOTA - 100}
+        assert not usage.charge("acme-x", 1)  # held plus charged: full, whichever of its namespaces
+        usage.settle("acme", QUOTA - 100)
         usage.allow({"acme": 200})
-        assert usage.admits(acme, 100) and not usage.admits(acme, 101)
+        assert usage.charge("acme", 100) and not usage.charge("acme", 1)
+        usage.settle("acme", 100)
+        with pytest.raises(QuotaExceeded):  # the store asks before a byte lands
+            store.put(("acme", b"big"), b"x" * 101)
+        assert usage.charged() == {"acme": 0} and usage.held() == {"acme": 100}
     finally:
         store.close()
 
@@ -171,6 +177,12 @@ def test_bytes_held_follow_every_removal_path_ssd_eviction_included(tmp_path):
         def changed(self, namespace: str, delta: int) -> None:
             self.bytes[namespace] = self.bytes.get(namespace, 0) + delta
 
+        def charge(self, namespace: str, size: int) -> bool:
+            return True
+
+        def settle(self, namespace: str, size: int) -> None:
+            pass
+
     config = StoreConfig(
         dram_capacity=1 << 20, ssd_path=str(tmp_path / "ssd"), ssd_capacity=2 << 20, max_block_bytes=64 << 10
     )
@@ -186,3 +198,104 @@ def test_bytes_held_follow_every_removal_path_ssd_eviction_included(tmp_path):
         for namespace in ("alpha", "beta"):
             stored = sum(store.size_of(key) for key in store.keys(namespace))
             assert held.bytes[namespace] == stored, namespace
+
+
+def quota_pool(nodes: int):
+    """A master and ``nodes`` nodes under the access file above (acme: an 8 MiB quota)."""
+    loaded = access()
+    master = MasterServer(port=0, access=loaded, heartbeat_interval_s=0.2, ttl_s=5.0).start()
+    started = [
+        StorageNode(
+            StoreConfig(dram_capacity=96 * MiB, max_block_bytes=MiB),
+            NodeOptions(master=master.address, unix_socket=False, access=loaded, credentials=Credentials(NODE)),
+        ).start()
+        for _ in range(nodes)
+    ]
+    assert wait_for(lambda: all(n.server.usage.allowance("acme") == QUOTA // nodes for n in started))
+    return master, started
+
+
+def stop_pool(master, nodes) -> None:
+    for node in nodes:
+        node.stop()
+    master.stop()
+
+
+def walk(nodes) -> int:
+    """The bytes acme's blocks take on the nodes, counted from their stores; each node's own
+    account must say the same, and nothing may stay charged once the writes are over."""
+    total = 0
+    for node in nodes:
+        held = sum(node.store.size_of(k) or 0 for ns in ("acme", "acme-x") for k in node.store.keys(ns))
+        assert node.server.usage.held()["acme"] == held
+        assert wait_for(lambda n=node: n.server.usage.charged()["acme"] == 0)
+        total += held
+    return total
+
+
+def test_one_frame_of_sixty_values_stores_no_more_than_the_quota():
+    """One PUT frame, its checksums after the payloads (every value held unpublished until the
+    end of the frame): each value is charged before it lands, so the frame stops at the quota."""
+    from kvstore_client.transport import TcpConnection
+
+    master, nodes = quota_pool(1)
+    try:
+        with TcpConnection(nodes[0].data_address(), credentials=Credentials(ACME)) as conn:
+            results = conn.put_many([(("acme", b"frame-%d" % i), b"f" * MiB) for i in range(60)])
+        assert sum(r is None for r in results) == QUOTA // MiB
+        assert all(isinstance(r, QuotaExceeded) for r in results if r is not None)
+        assert walk(nodes) <= QUOTA
+    finally:
+        stop_pool(master, nodes)
+
+
+def test_twenty_parallel_writers_store_no_more_than_the_quota():
+    import threading
+
+    from kvstore_client.transport import TcpConnection
+
+    master, nodes = quota_pool(1)
+    stored, refused = [], []
+
+    def writer(w: int) -> None:
+        with TcpConnection(nodes[0].data_address(), credentials=Credentials(ACME)) as conn:
+            for i in range(8):
+                for result in conn.put_many(
+                    [(("acme-x", b"w%d-%d-%d" % (w, i, j)), b"p" * (MiB // 2)) for j in range(2)]
+                ):
+                    (stored if result is None else refused).append(result)
+
+    try:
+        threads = [threading.Thread(target=writer, args=(w,)) for w in range(20)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert all(isinstance(r, QuotaExceeded) for r in refused) and refused
+        assert len(stored) * (MiB // 2) <= QUOTA
+        assert walk(nodes) <= QUOTA
+    finally:
+        stop_pool(master, nodes)
+
+
+def test_replicas_count_against_the_tenant_and_stop_at_its_quota():
+    """Blocks copied node to node (a drain's PULLs, under node tokens) are charged to the tenant
+    whose namespace they are in: a tenant at its quota gets no copies past it."""
+    master, nodes = quota_pool(2)
+    try:
+        with Client(master.address, token=ACME, data_path="tcp", placement_bytes=MiB, placement_ttl=0.0) as client:
+            for i in range(32):
+                try:
+                    client.put(("acme", b"r%d" % i), b"r" * MiB)
+                except QuotaExceeded:
+                    time.sleep(0.5)  # rebalanced shares with the next heartbeats
+        assert wait_for(lambda: master.quotas.used("acme") == walk(nodes))
+        before = walk(nodes)
+        assert before >= QUOTA - 2 * MiB
+        leaving = max(nodes, key=lambda n: len(n.store.keys("acme")))
+        assert master.drainer.start(leaving.node_id)[1] >= 2  # blocks only it holds, to copy by PULL
+        assert master.drainer.wait(leaving.node_id, timeout=60)
+        print("held before the drain", before, "after", walk(nodes))
+        assert walk(nodes) <= QUOTA + MiB  # copies refused once the other node's share is used
+    finally:
+        stop_pool(master, nodes)

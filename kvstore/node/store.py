@@ -37,6 +37,7 @@ from kvstore_client.errors import (
     CapacityError,
     ChecksumMismatch,
     InvalidValue,
+    QuotaExceeded,
     SameHostSpaceFull,
     UnknownNamespace,
 )
@@ -91,6 +92,8 @@ class BlockStore:
             check_key=self.check_key,
             publish=self._commit,
             grant_ended=self._grant_ended,
+            charge=self._charge,
+            settle=self._settle,
         )
         self._dram_view, self._ssd_view = DramView(dram), ssd_view
         if ssd is not None:
@@ -136,7 +139,10 @@ class BlockStore:
 
     def track_usage(self, usage) -> None:
         """Report every change of the bytes held per namespace to ``usage.changed(namespace,
-        delta)`` (called under the store lock: it must be quick). Tenant quotas use it."""
+        delta)`` (called under the store lock: it must be quick), and ask ``usage.charge(namespace,
+        size)`` before each write's bytes land (False: refused, QuotaExceeded), telling
+        ``usage.settle(namespace, size)`` when they are published or given back. Tenant quotas
+        use it (kvstore.node.tenant_usage)."""
         with self._lock:
             self._state.usage = usage
             for key, meta in self._table.items():
@@ -160,7 +166,13 @@ class BlockStore:
         self._check_size(size)
         if depth < 0:
             raise InvalidValue("depth cannot be negative")
-        return Reservation(self._writes, key, self._reserve_extent(size), depth)
+        self._charge(key[0], size)
+        try:
+            extent = self._reserve_extent(size)
+        except BaseException:
+            self._settle(key[0], size)
+            raise
+        return Reservation(self._writes, key, extent, depth, charged=key[0])
 
     def grant(self, size: int) -> Reservation:
         """Reserve DRAM for a block whose key is not known yet (a same-host writer's next
@@ -178,6 +190,21 @@ class BlockStore:
         except BaseException:
             self._grant_ended(size)
             raise
+
+    def _charge(self, namespace: str, size: int) -> None:
+        """Count ``size`` bytes about to land against the quotas of ``namespace``'s tenants
+        (``track_usage``); QuotaExceeded when one would hold more than it may here."""
+        usage = self._state.usage
+        if usage is not None and not usage.charge(namespace, size):
+            raise QuotaExceeded(
+                f"quota exceeded: a tenant of namespace {namespace!r} may hold no more here; "
+                "remove blocks or wait for eviction"
+            )
+
+    def _settle(self, namespace: str, size: int) -> None:
+        usage = self._state.usage
+        if usage is not None:
+            usage.settle(namespace, size)
 
     def _grant_ended(self, size: int) -> None:
         """A grant was bound to a key or given back (called by its Reservation)."""

@@ -2,9 +2,13 @@
 the master gave each).
 
 The store reports every change of bytes per namespace (``BlockStore.track_usage``);
-this adds it to each quota'd tenant whose namespaces match. A write for a
-tenant is refused (QUOTA_EXCEEDED) when it would take the tenant past its
-allowance here. Allowances come from the master with each heartbeat
+this adds it to each quota'd tenant whose namespaces match. Before a write's
+bytes land the store charges them to those tenants (``charge``), and they stay
+charged until they are published (and held) or given back (``settle``): a
+write is refused (QUOTA_EXCEEDED) when held plus charged bytes would take a
+tenant past its allowance here, however many frames, connections or
+replications are in flight. Whoever writes (the tenant, an admin, a node
+pulling a replica) the bytes count against the namespace's tenants. Allowances come from the master with each heartbeat
 (kvstore.master.quotas); until the first, or with no master, a tenant may hold
 its whole quota on this node. Thread-safe: ``changed`` runs under the store
 lock, the rest take this object's own lock.
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import threading
 
-from kvstore.security.access import AccessList, Principal
+from kvstore.security.access import AccessList
 
 _MAX_NAMESPACES = 65536  # namespace -> tenants verdicts remembered
 
@@ -23,6 +27,7 @@ class TenantUsage:
     def __init__(self, access: AccessList):
         self._tenants = [p for p in access.principals() if p.confined and p.quota is not None]
         self._held = {p.name: 0 for p in self._tenants}
+        self._charged = {p.name: 0 for p in self._tenants}  # bytes on their way in, not yet held
         self._allowance = {p.name: p.quota for p in self._tenants}
         self._owners: dict[str, tuple[str, ...]] = {}
         self._lock = threading.Lock()
@@ -30,16 +35,47 @@ class TenantUsage:
     def __bool__(self) -> bool:
         return bool(self._tenants)
 
-    def changed(self, namespace: str, delta: int) -> None:
+    def _owners_of(self, namespace: str) -> tuple[str, ...]:
         owners = self._owners.get(namespace)
         if owners is None:
             if len(self._owners) >= _MAX_NAMESPACES:
                 self._owners.clear()
             owners = self._owners[namespace] = tuple(p.name for p in self._tenants if p.may_use(namespace))
+        return owners
+
+    def changed(self, namespace: str, delta: int) -> None:
+        owners = self._owners_of(namespace)
         if owners:
             with self._lock:
                 for name in owners:
                     self._held[name] += delta
+
+    def charge(self, namespace: str, size: int) -> bool:
+        """Count ``size`` bytes about to land in ``namespace`` against its tenants' allowances
+        here; False (nothing counted) when one would go past its allowance."""
+        owners = self._owners_of(namespace)
+        if not owners:
+            return True
+        with self._lock:
+            for name in owners:
+                if self._held[name] + self._charged[name] + size > self._allowance[name]:
+                    return False
+            for name in owners:
+                self._charged[name] += size
+        return True
+
+    def settle(self, namespace: str, size: int) -> None:
+        """Charged bytes were published (now counted as held) or given back."""
+        owners = self._owners_of(namespace)
+        if owners:
+            with self._lock:
+                for name in owners:
+                    self._charged[name] -= size
+
+    def charged(self) -> dict[str, int]:
+        """Bytes charged per tenant and not yet settled (writes in flight)."""
+        with self._lock:
+            return dict(self._charged)
 
     def held(self) -> dict[str, int]:
         with self._lock:
@@ -56,11 +92,3 @@ class TenantUsage:
         """What ``tenant`` may hold here now (None: it has no quota)."""
         with self._lock:
             return self._allowance.get(tenant)
-
-    def admits(self, principal: Principal, size: int) -> bool:
-        """Whether ``principal`` may write ``size`` more bytes here."""
-        limit = self._allowance.get(principal.name)
-        if limit is None:
-            return True
-        with self._lock:
-            return self._held[principal.name] + size <= limit

@@ -63,7 +63,6 @@ log = logging.getLogger(__name__)
 _LINGER_SECONDS, _LINGER_BYTES = 0.5, 64 << 20  # input drained after an error reply, at most
 _MAX_ADMITTED = 4096  # namespaces whose verdict a connection remembers
 _DENIED = int(Status.PERMISSION_DENIED)
-_OVER_QUOTA = int(Status.QUOTA_EXCEEDED)  # an item status is a plain int (ops test type(key) is int)
 
 
 class Frame:
@@ -98,7 +97,6 @@ class Connection:
         self.pending_auth = False  # on server.unauthenticated (set by the server before serve() starts)
         self._confined = False
         self._admitted: dict[str, bool] = {}
-        self._usage = None  # the node's TenantUsage, for a tenant with a quota
 
     def authenticated(self, principal: Principal) -> None:
         """The client proved its token (transport/auth.py): serve it, within its namespaces.
@@ -115,17 +113,7 @@ class Connection:
                 raise ProtocolError("authentication took longer than the node allows", Status.UNAUTHENTICATED)
         self.principal = principal
         self._confined = principal.confined
-        usage = self.server.usage
-        if usage is not None and principal.confined and principal.quota is not None:
-            self._usage = usage
         set_idle_timeout(self.sock, self.server.limits.idle_timeout)  # the handshake's shorter one ends
-
-    def quota_status(self, size: int) -> int:
-        """OK, or QUOTA_EXCEEDED when ``size`` more bytes would take the connection's tenant
-        past what it may hold on this node."""
-        if self._usage is None or self._usage.admits(self.principal, size):
-            return Status.OK
-        return _OVER_QUOTA
 
     def admitted(self, key):
         """``key`` if the connection's token may use its namespace, else PERMISSION_DENIED (an

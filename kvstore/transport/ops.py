@@ -303,12 +303,11 @@ def _receive_block(conn: "Connection", key, depth: int, size: int):
     """Receive one PUT payload straight into a reservation, hashing it as it lands (still in
     cache): (the reservation, still to be committed, and the XXH3-64 of its bytes). A refused
     item's payload is drained and its status returned instead."""
-    refused = key if type(key) is int else conn.quota_status(size)
-    if refused:
+    if type(key) is int:
         conn.reader.skip(size)
-        return refused
+        return key
     try:
-        res = conn.store.reserve(key, size, depth=depth)
+        res = conn.store.reserve(key, size, depth=depth)  # charged to the namespace's quotas
     except KVStoreError as exc:
         conn.reader.skip(size)
         return status_of(exc)
@@ -382,7 +381,7 @@ def op_reserve(conn: "Connection", frame: "Frame") -> None:
         wanted = [(OK, size, None) for _, (_, _, _, size) in entries]
     else:
         wanted = [
-            (key if type(key) is int else _known(store, key) or conn.quota_status(size), size, (key, depth))
+            (key if type(key) is int else _known(store, key) or OK, size, (key, depth))
             for key, (_, _, depth, size) in entries
         ]
     conn.reply(frame, frame.count, _reserved_table(conn, wanted))
@@ -420,16 +419,23 @@ def _reserve(conn: "Connection", size: int, binding: tuple | None) -> tuple:
     on the allowance instead, if it has ``size`` bytes left."""
     store = conn.store
     try:
-        return store.grant(size), 0
+        res = store.grant(size)
     except CapacityError:
         allowance = conn.server.allowance
         if binding is None or not allowance.take(size):
             raise
-    try:
-        return store.reserve(binding[0], size, depth=binding[1]), size
-    except BaseException:
-        allowance.give(size)
-        raise
+        try:
+            return store.reserve(binding[0], size, depth=binding[1]), size  # charged to its quotas
+        except BaseException:
+            allowance.give(size)
+            raise
+    if binding is not None:  # charged to the namespace's quotas before the writer copies a byte
+        try:
+            res.charge(binding[0][0])
+        except BaseException:
+            res.revoke()
+            raise
+    return res, 0
 
 
 def op_commit(conn: "Connection", frame: "Frame") -> None:
@@ -486,11 +492,9 @@ def op_store(conn: "Connection", frame: "Frame") -> None:
                 out[i] = key
             elif size != res.size:
                 out[i] = Status.INVALID_VALUE
-            elif conn.quota_status(size):
-                out[i] = Status.QUOTA_EXCEEDED
             else:
                 try:
-                    res.bind(key, depth)
+                    res.bind(key, depth)  # charged to the namespace's quotas (QUOTA_EXCEEDED)
                     res.commit_written(checksum)
                 except KVStoreError as exc:
                     out[i] = status_of(exc)
