@@ -650,6 +650,8 @@ def master(
             **({"etcd": f"etcd://{etcd_endpoints}{'' if etcd_prefix == '/kvstore' else etcd_prefix}"} if etcd else {}),
         },
     )
+    if security.access is not None:
+        signals.on_hangup(security.access.reload)  # kill -HUP: revoke and add tokens without a restart
     signals.serve([server.stop])
 
 
@@ -783,6 +785,8 @@ def node(
         stopping=lambda: signals.stopping,
     )
     announce(as_json, node_lines(storage), node_record(storage))
+    if security.access is not None:
+        signals.on_hangup(security.access.reload)  # kill -HUP: revoke and add tokens without a restart
     signals.serve([storage.stop])
 
 
@@ -945,6 +949,8 @@ def up(
             **kv_events_record(master_server),
         },
     )
+    if security.access is not None:  # the master's and the node's: one file, one reload
+        signals.on_hangup(security.access.reload)
     signals.serve([storage.stop, master_server.stop])
 
 

@@ -1,4 +1,5 @@
-"""Run services in the foreground until SIGTERM or SIGINT, then stop them cleanly.
+"""Run services in the foreground until SIGTERM or SIGINT, then stop them cleanly; SIGHUP
+runs what ``StopSignals.on_hangup`` was given (the services reload their access file).
 
 ``service_process()`` readies a process to serve: stop signals caught, and the
 garbage collector kept from pausing it for all of its state (``kvstore.gc_pauses``)."""
@@ -29,11 +30,14 @@ class StopSignals:
 
     def __init__(self) -> None:
         self._stopping = False
+        self._hangups = 0  # SIGHUPs received; handled by ``wait`` in the main thread
+        self._on_hangup: list[Callable[[], object]] = []
         self._previous = {}
         self._wakeup: tuple[int, int] | None = None  # the pipe (read end, write end) signals wake wait on
         self._previous_wakeup_fd = -1
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+            self._previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._hangup)
             read_end, write_end = os.pipe()
             for fd in (read_end, write_end):
                 os.set_blocking(fd, False)
@@ -43,14 +47,28 @@ class StopSignals:
     def _handler(self, signum, frame) -> None:
         self._stopping = True
 
+    def _hangup(self, signum, frame) -> None:
+        self._hangups += 1
+
+    def on_hangup(self, callback: Callable[[], object]) -> None:
+        """Run ``callback()`` in the main thread, from ``wait``, after each SIGHUP."""
+        self._on_hangup.append(callback)
+
     @property
     def stopping(self) -> bool:
         """Whether a stop signal came (for a start that waits, to give up on)."""
         return self._stopping
 
     def wait(self) -> None:
-        """Block until a signal came (at once if one came already)."""
+        """Block until a stop signal came (at once if one came already), running the hangup
+        callbacks after each SIGHUP meanwhile."""
+        handled = 0
         while not self._stopping:
+            if self._hangups != handled:
+                handled = self._hangups
+                for callback in self._on_hangup:
+                    callback()
+                continue
             if self._wakeup is None:
                 time.sleep(POLL_S)
                 continue

@@ -365,7 +365,7 @@ def test_a_directory_another_user_planted_in_the_shm_dir_is_refused(tmp_path, mo
     if os.getuid() != 0:
         pytest.skip("needs root to make a directory of another user")
     monkeypatch.setenv("KVSTORE_SHM_DIR", str(tmp_path))
-    planted = tmp_path / f"kvstore-user-{os.getuid()}"
+    planted = tmp_path / f"kvstore.{os.getuid()}"
     planted.mkdir(mode=0o777)
     os.chown(planted, 65534, 65534)  # made first by someone else, to read what lands in it
     with pytest.raises(ConfigError, match="belongs to uid 65534"):

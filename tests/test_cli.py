@@ -148,7 +148,8 @@ def test_node_puts_its_arena_in_the_shm_dir_it_is_given(tmp_path):
         ]
     )
     try:
-        assert os.path.exists(arenas / up.record["shm_arena"])
+        mine = arenas / f"kvstore.{os.getuid()}"  # this user's directory in the shm dir, 0700
+        assert os.path.exists(mine / up.record["shm_arena"]) and os.stat(mine).st_mode & 0o777 == 0o700
         assert up.record["data"].startswith("localhost:")  # what clients elsewhere are told to dial
         assert up.record["unix_socket"].startswith(str(arenas))
         status = json.loads(kvstore("status", "--master", up.record["master"], "--json").stdout)
@@ -156,7 +157,7 @@ def test_node_puts_its_arena_in_the_shm_dir_it_is_given(tmp_path):
         assert pages in ("huge", "4KiB")  # what backs the arena, as the node found it (tests/test_arena.py)
         assert f"dram ({pages} pages)" in kvstore("status", "--master", up.record["master"]).stdout
         assert up.terminate() == 0
-        assert os.listdir(arenas) == []  # arena, block directory and socket all removed
+        assert os.listdir(mine) == []  # arena, block directory and socket all removed
     finally:
         up.close()
 
@@ -164,6 +165,16 @@ def test_node_puts_its_arena_in_the_shm_dir_it_is_given(tmp_path):
 def test_a_missing_shm_dir_is_a_clear_error(tmp_path):
     result = kvstore("up", "--shm-dir", str(tmp_path / "nowhere"))
     assert result.returncode == 2 and "not a directory" in result.stderr
+
+
+def test_an_shm_dir_too_deep_for_a_unix_socket_is_a_clear_error(tmp_path):
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    result = kvstore(
+        "up", "--port", "0", "--metrics-port", "-1", "--data-dir", str(tmp_path / "data"), "--shm-dir", str(deep)
+    )
+    assert result.returncode != 0 and "choose a shorter --shm-dir" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_stop_signals_catch_a_signal_sent_before_serving_then_stop_in_order():

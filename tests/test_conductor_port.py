@@ -19,6 +19,7 @@ import pytest
 
 from kvstore.master.conductor_port import ConductorPort
 from kvstore.master.conductor_service import SchedulingOptions
+from kvstore.master.membership import NodeIdentity
 from kvstore.master.server import MasterServer
 from kvstore.router.conductor_calls import ConductorCalls
 from kvstore.router.server import PoolBackend
@@ -27,7 +28,8 @@ from kvstore_client.conductor_link import ConductorLink, LinkDown
 from kvstore_client.conductor_wire import HEADER_SIZE, MAX_BODY_BYTES, Method, Status, pack_header, unpack_header
 from kvstore_client.errors import Overloaded, PermissionDenied, ProtocolError, Unauthenticated
 from kvstore_client.proto import kvstore_pb2 as pb
-from tests.access_files import ADMIN, NODE, NS_A, NS_B, TENANT_A, WRONG, access_list
+from kvstore.security.access import AccessList
+from tests.access_files import ADMIN, NODE, NS_A, NS_B, TENANT_A, TENANT_B, WRONG, access_list
 
 NS = "chat/layer1"
 
@@ -37,6 +39,9 @@ def keys(n: int = 3, namespace: str = NS):
 
 
 def with_engines(master: MasterServer, namespace: str = NS, **client_args) -> None:
+    """A prefill and a decode engine on storage node "node-1", which joins the master first
+    (engines go only on live nodes; no node process: the conductor only names it)."""
+    master.membership.register(NodeIdentity("node-1"))
     with Client(master.address, **client_args) as client:
         client.scheduling.register_engine(namespace, "P", "prefill", "node-1")
         client.scheduling.register_engine(namespace, "D", "decode", "node-1")
@@ -340,3 +345,22 @@ def test_a_link_to_nothing_is_down_and_unsent():
 def test_a_reply_that_is_not_a_frame_is_a_protocol_error_for_the_client():
     with pytest.raises(ProtocolError):
         unpack_header(b"HTTP/1.1 400")
+
+
+def test_a_token_revoked_by_a_reload_is_refused_on_its_open_connection(tmp_path):
+    from tests.access_files import ACCESS_TOML, write_access_file
+
+    path = write_access_file(tmp_path / "access")
+    access = AccessList.load(str(path))
+    with MasterServer(access=access) as m:
+        with_engines(m, NS_B, token=ADMIN)
+
+        async def schedule_twice(link):
+            first = await link.schedule(keys(1, NS_B), 32, 1)
+            path.write_text(ACCESS_TOML[: ACCESS_TOML.index("[tokens.globex]")])  # tenant B leaves the file
+            assert access.reload()
+            await link.schedule(keys(1, NS_B), 32, 1)  # the same connection, its next frame
+            return first
+
+        with pytest.raises(Unauthenticated, match="revoked"):
+            run(with_link(m.conductor_address, schedule_twice, token=TENANT_B))

@@ -33,6 +33,7 @@ import logging
 import socket
 import ssl
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
@@ -49,6 +50,7 @@ from kvstore.transport.limits import (
     PendingConnections,
     set_idle_timeout,
 )
+from kvstore_client.auth import DataKey
 from kvstore_client.conductor_wire import (
     BODIES,
     GRPC_NAMES,
@@ -87,6 +89,16 @@ def status_of(error: KVStoreError) -> Status:
     if isinstance(error, (ValueError, UnknownNamespace)):
         return Status.INVALID
     return Status.INTERNAL
+
+
+@dataclass
+class _Caller:
+    """Who a connection authenticated as: its principal, the key of its token (None: no access
+    file) and the access file's generation the token was last found in."""
+
+    principal: Principal
+    key: DataKey | None = None
+    generation: int = 0
 
 
 class ConductorPort:
@@ -223,9 +235,9 @@ class ConductorPort:
             if self._tls is not None:  # the handshake after the wrap: a failed one leaves the descriptor to us
                 conn = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
                 conn.do_handshake()
-            principal = ANYONE if self._access is None else None
+            caller = _Caller(ANYONE) if self._access is None else None
             while True:
-                principal = self._one_frame(conn, principal)
+                caller = self._one_frame(conn, caller)
         except (_Closing, EOFError, OSError, ssl.SSLError):
             pass
         except Exception:  # a bug: this connection ends, the others go on
@@ -240,8 +252,8 @@ class ConductorPort:
             except OSError:
                 pass
 
-    def _one_frame(self, conn, principal: Principal | None) -> Principal | None:
-        """Read, run and answer one frame; the connection's principal from then on."""
+    def _one_frame(self, conn, caller: "_Caller | None") -> "_Caller | None":
+        """Read, run and answer one frame; the connection's caller from then on."""
         header = _recv_exactly(conn, HEADER_SIZE)
         try:
             code, request_id, body_len = unpack_header(header)
@@ -249,28 +261,42 @@ class ConductorPort:
             _reply(conn, Status.BAD_FRAME, 0, str(exc).encode())
             raise _Closing from None
         if code == Method.AUTH:
-            return self._auth(conn, request_id, body_len, principal)
+            return self._auth(conn, request_id, body_len, caller)
         if code not in self._handlers:
             _reply(conn, Status.BAD_FRAME, request_id, f"unknown conductor method {code}".encode())
             raise _Closing
-        if principal is None:  # before its body: a caller without a token makes the master hold nothing
+        if caller is None:  # before its body: a caller without a token makes the master hold nothing
             _reply(conn, Status.UNAUTHENTICATED, request_id, b"a valid token is required: send AUTH first")
             raise _Closing
+        if self._revoked(caller):
+            _reply(conn, Status.UNAUTHENTICATED, request_id, b"this token was revoked (the access file changed)")
+            raise _Closing
         body = _recv_exactly(conn, body_len)
-        status, reply = self._call(Method(code), body, principal)
+        status, reply = self._call(Method(code), body, caller.principal)
         _reply(conn, status, request_id, reply)
-        return principal
+        return caller
 
-    def _auth(self, conn, request_id: int, body_len: int, principal: Principal | None) -> Principal:
+    def _revoked(self, caller: "_Caller") -> bool:
+        """Whether the caller's token left the access file, or changed, since it was last checked
+        (a reload bumps the generation; only then is the token looked up again)."""
+        access = self._access
+        if access is None or caller.key is None or caller.generation == access.generation:
+            return False
+        if access.still_valid(caller.key, caller.principal):
+            caller.generation = access.generation
+            return False
+        return True
+
+    def _auth(self, conn, request_id: int, body_len: int, caller: "_Caller | None") -> "_Caller":
         if body_len > MAX_TOKEN_BYTES:
             _reply(conn, Status.BAD_FRAME, request_id, f"an AUTH body holds at most {MAX_TOKEN_BYTES} bytes".encode())
             raise _Closing
         token = _recv_exactly(conn, body_len).decode("utf-8", "replace")
         if self._access is None:  # no tokens checked here: say so
             _reply(conn, Status.OK, request_id, b"")
-            return ANYONE
+            return _Caller(ANYONE)
         found = self._access.bearer(token)
-        if found is None or principal is not None:
+        if found is None or caller is not None:
             message = b"token refused" if found is None else b"AUTH again on an authenticated connection"
             _reply(conn, Status.UNAUTHENTICATED if found is None else Status.BAD_FRAME, request_id, message)
             raise _Closing
@@ -282,7 +308,7 @@ class ConductorPort:
             raise _Closing  # past its deadline, or dropped for a newer one: already shut down
         set_idle_timeout(conn, self._idle_timeout)
         _reply(conn, Status.OK, request_id, found.name.encode())
-        return found
+        return _Caller(found, DataKey.of_token(token), self._access.generation)
 
     def _call(self, method: Method, body: bytes, principal: Principal) -> tuple[Status, bytes]:
         grpc_name = GRPC_NAMES[method]

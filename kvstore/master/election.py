@@ -107,7 +107,7 @@ class Election:
         self._etcd, self.key, self.address = etcd, leader_key(prefix), address
         self.ttl_s, self._poll_s, self._clock = ttl_s, poll_s, clock
         self._on_elected = on_elected
-        self._pool_key = pool_key  # signs this master's leader key, checks others' (None: no access file)
+        self.pool_key = pool_key  # signs this master's leader key, checks others' (None: no access file; set on reload)
         self._lease: int | None = None
         self._deadline = 0.0  # local: the lease is surely live before this
         self._next_keepalive = 0.0
@@ -190,7 +190,7 @@ class Election:
                 created, held = self._etcd.create(self.key, self._value(), self._lease)
             if held is not None and held.lease == self._lease:
                 return
-            if held is not None and not believable(held, self._pool_key):
+            if held is not None and not believable(held, self.pool_key):
                 self._ignore(held, "writing its own back")
                 self._etcd.replace_if_revision(self.key, held.mod_revision, self._value(), self._lease)
                 return
@@ -205,7 +205,7 @@ class Election:
             self.terms += 1
             self._leading = True
             log.info("elected leader (%s, lease %x, TTL %d s)", self.address, self._lease, self.ttl_s)
-        elif held is not None and not believable(held, self._pool_key):
+        elif held is not None and not believable(held, self.pool_key):
             self._ignore(held, "deleting it to campaign")
             self._leader = None
             self._etcd.replace_if_revision(self.key, held.mod_revision, None)
@@ -213,7 +213,7 @@ class Election:
             self._leader = address_of(held.value) if held is not None else None
 
     def _value(self) -> bytes:
-        return encode(self.address, self._lease or 0, self._pool_key)
+        return encode(self.address, self._lease or 0, self.pool_key)
 
     def _ignore(self, held, action: str) -> None:
         """Say (once per forged write) that a leader key no master of this pool wrote is ignored."""

@@ -32,6 +32,13 @@ class Quotas:
         self._held: dict[str, dict[str, int]] = {}  # node id -> tenant -> bytes
         self._lock = threading.Lock()
 
+    def retarget(self, access: AccessList) -> None:
+        """Follow the quotas of a reloaded access file (nodes report the new tenants' bytes with
+        their next heartbeats)."""
+        quota = {p.name: p.quota for p in access.principals() if p.quota is not None}
+        with self._lock:
+            self._quota = quota
+
     def __bool__(self) -> bool:
         return bool(self._quota)
 

@@ -95,6 +95,8 @@ class MasterServer:
         self.placement = PlacementPolicy(replication_factor)
         self.quotas = Quotas(access) if access is not None else None
         self.access, self.tls = access, tls
+        if access is not None:
+            access.subscribe(self._access_changed)
         dialing = dialing or (tls.dialing(None) if tls is not None else NO_CREDENTIALS)
         if dialing.data_key is None and access is not None:  # the replicator's PULLs need a node's key
             dialing = dataclasses.replace(dialing, key=access.service_key())
@@ -166,6 +168,13 @@ class MasterServer:
             on_elected=self.reset_state,
             pool_key=self.access.pool_key() if self.access is not None else None,
         ).start()
+
+    def _access_changed(self) -> None:
+        """The access file was reloaded: calls check the new tokens from now on (the gate looks
+        each up); quotas and the key that signs the leader key follow it."""
+        self.quotas.retarget(self.access)
+        if self.election is not None:
+            self.election.pool_key = self.access.pool_key()
 
     def _prove(self, key_id: bytes, nonce: bytes) -> bytes | None:
         """Prove (to a client about to send it a token) that this master holds that token's key,

@@ -19,6 +19,7 @@ from typing import Callable
 
 from kvstore_client.cluster_address import is_etcd_address, parse_etcd_address
 from kvstore_client.credentials import NO_CREDENTIALS, Credentials
+from kvstore_client.errors import ConfigError
 from kvstore_client.hostid import machine_id
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore.master.membership import NodeIdInUse
@@ -35,7 +36,8 @@ from kvstore.transport.puller import refuse_all
 from kvstore.transport.server import DEFAULT_LEASE_TTL, DataPlaneServer
 
 log = logging.getLogger(__name__)
-SOCKET_PREFIX, SOCKET_SUFFIX = "kvstore-", ".sock"  # a node's Unix socket: kvstore-<node id>.sock
+SOCKET_PREFIX, SOCKET_SUFFIX = "", ".sock"  # a node's Unix socket: <node id>.sock, in its user's shm directory
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path, less its NUL)
 STALE_SOCKET_AGE_S = 10.0  # younger ones may belong to a node between bind() and listen()
 
 
@@ -142,15 +144,20 @@ class StorageNode:
         if opts.master and is_etcd_address(opts.master):
             self._claim_node_id(opts)
         self.store = BlockStore(self.config)
-        usage = TenantUsage(opts.access) if opts.access is not None else None
-        if usage:
+        usage = None
+        if opts.access is not None:  # tracked even with no quota yet: a reload may bring one
+            usage, access = TenantUsage(opts.access), opts.access
             self.store.track_usage(usage)
-        else:
-            usage = None
+            access.subscribe(lambda: self.store.recount_usage(usage, before=lambda: usage.retarget(access)))
         unix_path = None
         if opts.unix_socket:
             reap_stale_sockets(node_shm_dir())
             unix_path = os.path.join(node_shm_dir(), f"{SOCKET_PREFIX}{self.node_id}{SOCKET_SUFFIX}")
+            if len(os.fsencode(unix_path)) > MAX_SOCKET_PATH:
+                raise ConfigError(
+                    f"the node's Unix socket {unix_path} would be longer than a Unix socket's path may be "
+                    f"({MAX_SOCKET_PATH} bytes): choose a shorter --shm-dir"
+                )
         self.server = DataPlaneServer(
             self.store,
             host=opts.host,

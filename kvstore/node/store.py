@@ -143,7 +143,14 @@ class BlockStore:
         size)`` before each write's bytes land (False: refused, QuotaExceeded), telling
         ``usage.settle(namespace, size)`` when they are published or given back. Tenant quotas
         use it (kvstore.node.tenant_usage)."""
+        self.recount_usage(usage)
+
+    def recount_usage(self, usage, before=None) -> None:
+        """Tell ``usage`` every block held, under the store lock (``before()`` first, under it
+        too: a tenant list reloaded and its counts zeroed), so no write lands in between."""
         with self._lock:
+            if before is not None:
+                before()
             self._state.usage = usage
             for key, meta in self._table.items():
                 usage.changed(key[0], meta.size)

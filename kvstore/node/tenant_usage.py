@@ -25,12 +25,29 @@ _MAX_NAMESPACES = 65536  # namespace -> tenants verdicts remembered
 
 class TenantUsage:
     def __init__(self, access: AccessList):
-        self._tenants = [p for p in access.principals() if p.confined and p.quota is not None]
-        self._held = {p.name: 0 for p in self._tenants}
-        self._charged = {p.name: 0 for p in self._tenants}  # bytes on their way in, not yet held
-        self._allowance = {p.name: p.quota for p in self._tenants}
-        self._owners: dict[str, tuple[str, ...]] = {}
         self._lock = threading.Lock()
+        self._tenants: list = []
+        self._held: dict[str, int] = {}
+        self._charged: dict[str, int] = {}  # bytes on their way in, not yet held
+        self._allowance: dict[str, int] = {}
+        self._owners: dict[str, tuple[str, ...]] = {}
+        self.retarget(access)
+
+    def retarget(self, access: AccessList) -> None:
+        """Follow the quota'd tenants of ``access`` (a reloaded file): every tenant's held bytes
+        start again from 0, to be summed anew (``BlockStore.track_usage`` does both under its
+        lock); writes in flight stay charged to the tenants that remain."""
+        tenants = [p for p in access.principals() if p.confined and p.quota is not None]
+        with self._lock:
+            allowance = {p.name: self._allowance.get(p.name, p.quota) for p in tenants}
+            for p in tenants:
+                previous = next((t for t in self._tenants if t.name == p.name), None)
+                if previous is not None and previous.quota != p.quota:
+                    allowance[p.name] = p.quota  # until the master shares the new quota out
+            self._tenants, self._allowance = tenants, allowance
+            self._held = {p.name: 0 for p in tenants}
+            self._charged = {p.name: self._charged.get(p.name, 0) for p in tenants}
+            self._owners = {}
 
     def __bool__(self) -> bool:
         return bool(self._tenants)
@@ -69,8 +86,8 @@ class TenantUsage:
         owners = self._owners_of(namespace)
         if owners:
             with self._lock:
-                for name in owners:
-                    self._charged[name] -= size
+                for name in owners:  # at least 0: a tenant added by a reload was not charged before it
+                    self._charged[name] = max(0, self._charged[name] - size)
 
     def charged(self) -> dict[str, int]:
         """Bytes charged per tenant and not yet settled (writes in flight)."""

@@ -19,9 +19,11 @@ the entry; nothing is half-loaded.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import stat
+import threading
 from dataclasses import dataclass, field
 
 from kvstore_client.auth import DataKey
@@ -37,6 +39,7 @@ SERVICE_ROLES = frozenset({ADMIN, NODE, TENANT})  # may call the services (each 
 SCRAPE_ROLES = frozenset({ADMIN, METRICS})  # may read /metrics
 MIN_SECRET_CHARS = 16
 _ENTRY_KEYS = {"secret", "secret_sha256", "role", "namespaces", "quota"}
+log = logging.getLogger(__name__)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 
@@ -78,16 +81,33 @@ class Entry:
     secret: str | None  # the token itself, when the file has it (not just its hash)
 
 
+class _Tokens:
+    """One version of an access file's entries, indexed the ways callers look them up."""
+
+    __slots__ = ("entries", "by_hash", "by_key_id")
+
+    def __init__(self, entries: list[Entry], source: str):
+        self.entries = list(entries)
+        self.by_hash = {e.key.key: e for e in entries}
+        self.by_key_id = {e.key.key_id: e for e in entries}
+        if len(self.by_hash) != len(entries):
+            raise ConfigError(f"{source}: two entries share one secret")
+
+
 class AccessList:
-    """The tokens of one access file, looked up by bearer token or by data-plane key id."""
+    """The tokens of one access file, looked up by bearer token or by data-plane key id.
+
+    ``reload()`` reads the file again (on SIGHUP, or when it changes: ``access_reload``): the
+    lookups see the new tokens at once, ``generation`` counts the versions, and the callbacks
+    given to ``subscribe`` run, so that each service closes the connections whose token was
+    removed or changed (``still_valid``). A file that no longer loads keeps the old tokens."""
 
     def __init__(self, entries: list[Entry], source: str = "<access list>"):
         self.source = source
-        self._entries = list(entries)
-        self._by_hash = {e.key.key: e for e in entries}
-        self._by_key_id = {e.key.key_id: e for e in entries}
-        if len(self._by_hash) != len(entries):
-            raise ConfigError(f"{source}: two entries share one secret")
+        self._tokens = _Tokens(entries, source)
+        self.generation = 0  # bumped by every reload that changed something
+        self._listeners: list = []
+        self._reload_lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str) -> "AccessList":
@@ -113,25 +133,64 @@ class AccessList:
         return cls([_entry(name, body, source) for name, body in tokens.items()], source)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._tokens.entries)
 
     def bearer(self, token: str | None) -> Principal | None:
         """The principal of a bearer token (gRPC), or None when it is no token of this file."""
         if not token:
             return None
-        entry = self._by_hash.get(hashlib.sha256(token.encode()).digest())
+        entry = self._tokens.by_hash.get(hashlib.sha256(token.encode()).digest())
         return None if entry is None else entry.principal
 
     def data_key(self, key_id: bytes) -> tuple[DataKey, Principal] | None:
         """The key and principal a data-plane hello names, or None."""
-        entry = self._by_key_id.get(bytes(key_id))
+        entry = self._tokens.by_key_id.get(bytes(key_id))
         return None if entry is None else (entry.key, entry.principal)
+
+    def still_valid(self, key: DataKey, principal: Principal) -> bool:
+        """Whether the token of ``key`` is still in the file, as ``principal`` (same name, role,
+        namespaces and quota): what a connection that authenticated with it may go on using."""
+        entry = self._tokens.by_hash.get(key.key)
+        return entry is not None and entry.principal == principal
+
+    # -- reloading ----------------------------------------------------------------------------
+    def subscribe(self, callback) -> None:
+        """Call ``callback()`` after each reload that changed the tokens."""
+        self._listeners.append(callback)
+
+    def reload(self) -> bool:
+        """Read ``source`` again; whether the tokens changed. A file that does not load (ConfigError)
+        is logged and the tokens in force stay."""
+        with self._reload_lock:
+            try:
+                fresh = AccessList.load(self.source)
+            except ConfigError as exc:
+                log.error("access file not reloaded, the tokens in force stay: %s", exc)
+                return False
+            old = self._tokens
+            if _same(old.entries, fresh._tokens.entries):
+                return False
+            self._tokens = fresh._tokens
+            self.generation += 1
+            gone = {e.principal.name for e in old.entries} - {e.principal.name for e in fresh._tokens.entries}
+            log.warning(
+                "access file %s reloaded: %d tokens%s",
+                self.source,
+                len(fresh),
+                f"; removed: {', '.join(sorted(gone))}" if gone else "",
+            )
+        for callback in list(self._listeners):
+            try:
+                callback()
+            except Exception:  # one service's trouble must not keep the others on old tokens
+                log.exception("applying the reloaded access file failed")
+        return True
 
     def service_token(self) -> str | None:
         """The first node or admin token the file holds in full: what `kvstore up` runs its own
         node with, when no --token is given."""
         for role in (NODE, ADMIN):
-            for e in self._entries:
+            for e in self._tokens.entries:
                 if e.principal.role == role and e.secret is not None:
                     return e.secret
         return None
@@ -139,19 +198,25 @@ class AccessList:
     def service_key(self) -> DataKey | None:
         """A node or admin data-plane key: what the master sends its PULLs with."""
         for role in (NODE, ADMIN):
-            for e in self._entries:
+            for e in self._tokens.entries:
                 if e.principal.role == role:
                     return e.key
         return None
 
     def principals(self) -> list[Principal]:
-        return [e.principal for e in self._entries]
+        return [e.principal for e in self._tokens.entries]
 
     def pool_key(self) -> bytes:
         """The key masters sign the leader key in etcd with, and masters and nodes check it by
         (kvstore_client.leader_record): derived from the admin and node tokens, so tenants
         cannot derive it."""
-        return pool_key(e.key.key for e in self._entries if e.principal.role in (ADMIN, NODE))
+        return pool_key(e.key.key for e in self._tokens.entries if e.principal.role in (ADMIN, NODE))
+
+
+def _same(a: list[Entry], b: list[Entry]) -> bool:
+    return sorted((e.principal.name, e.key.key, repr(e.principal)) for e in a) == sorted(
+        (e.principal.name, e.key.key, repr(e.principal)) for e in b
+    )
 
 
 def check_token_name(name: str, where: str = "") -> str:

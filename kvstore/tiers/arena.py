@@ -44,7 +44,7 @@ def node_shm_dir() -> str:
     """This user's directory in ``shm_dir()``, 0700: where nodes put their arenas, block
     directories and Unix sockets, so that no other user's process can open or connect to
     them (other users' clients use TCP). Created on first use."""
-    return own_private_dir(os.path.join(shm_dir(), f"kvstore-user-{os.getuid()}"))
+    return own_private_dir(os.path.join(shm_dir(), f"kvstore.{os.getuid()}"))
 
 
 def on_huge_pages(directory: str) -> bool | None:

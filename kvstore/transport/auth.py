@@ -53,7 +53,7 @@ def op_auth(conn: "Connection", frame: "Frame") -> None:
     good = hmac.compare_digest(body, pending.key.client_proof(pending.client_nonce, pending.node_nonce))
     if not good or pending.principal is None:
         raise ProtocolError("token refused", Status.UNAUTHENTICATED)
-    conn.authenticated(pending.principal)
+    conn.authenticated(pending.principal, pending.key)
     conn.reply(
         frame, 0, pending.key.node_proof(pending.client_nonce, pending.node_nonce) + pending.principal.name.encode()
     )

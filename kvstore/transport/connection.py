@@ -97,8 +97,10 @@ class Connection:
         self.pending_auth = False  # on server.unauthenticated (set by the server before serve() starts)
         self._confined = False
         self._admitted: dict[str, bool] = {}
+        self._key = None  # the DataKey it authenticated with: checked again when the access file is reloaded
+        self._generation = 0  # the access file's generation its token was last found valid in
 
-    def authenticated(self, principal: Principal) -> None:
+    def authenticated(self, principal: Principal, key=None) -> None:
         """The client proved its token (transport/auth.py): serve it, within its namespaces.
         PERMISSION_DENIED for a role that may not use the data plane; UNAUTHENTICATED when the
         connection was dropped meanwhile (past its deadline, or for a newer one)."""
@@ -113,7 +115,19 @@ class Connection:
                 raise ProtocolError("authentication took longer than the node allows", Status.UNAUTHENTICATED)
         self.principal = principal
         self._confined = principal.confined
+        self._key, self._generation = key, self.server.access.generation
         set_idle_timeout(self.sock, self.server.limits.idle_timeout)  # the handshake's shorter one ends
+
+    def revoked(self) -> bool:
+        """Whether the token this connection authenticated with left the access file, or changed
+        (role, namespaces, quota), since it was last checked."""
+        access = self.server.access
+        if self._key is None or access.generation == self._generation:
+            return False
+        if access.still_valid(self._key, self.principal):
+            self._generation = access.generation
+            return False
+        return True
 
     def admitted(self, key):
         """``key`` if the connection's token may use its namespace, else PERMISSION_DENIED (an
@@ -146,6 +160,8 @@ class Connection:
                 if not self._wait():
                     return  # closed between frames
                 op, _, flags, request_id, count, body_len = unpack_header(self.reader.read(HEADER_SIZE))
+                if self._key is not None and self.revoked():  # the access file was reloaded without it
+                    raise ProtocolError("this token was revoked (the access file changed)", Status.UNAUTHENTICATED)
                 if self.principal is None and op != Op.AUTH:  # before anything else, unknown ops too
                     raise ProtocolError(
                         "this node checks tokens: authenticate first (AUTH; the SDK's "

@@ -115,6 +115,7 @@ class DataPlaneServer:
         self.unauthenticated: PendingConnections | None = None
         if access is not None:
             self.unauthenticated = PendingConnections(self.limits.max_unauthenticated, self.limits.auth_timeout)
+            access.subscribe(self._close_revoked)  # a reloaded access file: revoked tokens' connections go
         self.allowance = Allowance(max_frame_bytes)  # RESERVE space past the grant cap, node-wide (ops.py)
         self._stopped = threading.Event()  # wakes the housekeeping thread
         self._listeners: list[socket.socket] = []
@@ -251,6 +252,15 @@ class DataPlaneServer:
                 self._reap_leases(now - ttl)
             if self.limits.write_ttl is not None:
                 self._reap_reservations(now - self.limits.write_ttl)
+
+    def _close_revoked(self) -> None:
+        """Shut the connections whose token the reloaded access file removed or changed (their
+        threads then clean up: leases released, reservations revoked)."""
+        revoked = [conn for conn in self._live() if conn.revoked()]
+        for conn in revoked:
+            conn.shutdown()
+        if revoked:
+            log.warning("closed %d data-plane connections of revoked tokens", len(revoked))
 
     def _live(self) -> list[Connection]:
         with self._lock:
