@@ -253,9 +253,12 @@ def fold(messages, state=None) -> dict:
 class Subscriber:
     """A ZMQ SUB on its own thread, keeping (topic, seq, payload) of every message."""
 
-    def __init__(self, endpoint: str, topic: str = ""):
+    def __init__(self, endpoint: str, topic: str = "", token: str | None = None):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
+        if token is not None:  # ZMQ PLAIN: what a master with an access file asks for
+            self._sock.setsockopt(zmq.PLAIN_USERNAME, b"kvstore")
+            self._sock.setsockopt(zmq.PLAIN_PASSWORD, token.encode())
         self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sock.connect(endpoint)
         self._lock = threading.Lock()
@@ -284,15 +287,18 @@ class Subscriber:
         self._ctx.term()
 
 
-def replay(endpoint: str, start: bytes) -> list[list[bytes]]:
+def replay(endpoint: str, start: bytes, token: str | None = None, wait_ms: int = 10_000) -> list[list[bytes]]:
     """vLLM's replay request from a DEALER; the replies up to and with the end marker."""
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     try:
+        if token is not None:
+            dealer.setsockopt(zmq.PLAIN_USERNAME, b"kvstore")
+            dealer.setsockopt(zmq.PLAIN_PASSWORD, token.encode())
         dealer.connect(endpoint)
         dealer.send_multipart([b"", start])
         replies = []
-        while dealer.poll(10_000):
+        while dealer.poll(wait_ms):
             frames = dealer.recv_multipart()
             replies.append(frames)
             if frames[2] == END_SEQ:
@@ -363,6 +369,57 @@ def test_dropped_changes_are_followed_by_a_resync():
         samples = {(name, tuple(labels.items())): value for name, _, _, labels, value in publisher.samples()}
         assert samples[("kvstore_master_kv_events_dropped_total", ())] >= 40
         assert samples[("kvstore_master_kv_events_resyncs_total", ())] >= 2  # the start, then after drops
+    finally:
+        publisher.stop()
+
+
+def test_with_an_access_file_only_an_admin_token_reads_the_events(tmp_path):
+    from tests.access_files import ADMIN, NS_A, TENANT_A, access_list
+
+    index = PrefixIndex()
+    options = KVEventsOptions("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", hashes="bytes", flush_interval_s=0.02)
+    publisher = open_publisher(options, index, access_list(tmp_path))
+    subscribers = {
+        "anonymous": Subscriber(publisher.endpoint),
+        "tenant": Subscriber(publisher.endpoint, token=TENANT_A),
+        "admin": Subscriber(publisher.endpoint, token=ADMIN),
+    }
+    try:
+        time.sleep(0.5)  # the handshakes (and ZMQ's slow joiner)
+        index.add_node("a")
+        index.apply("a", [(NS_A, [(IX_STORED, DRAM, digest(i)) for i in range(20)])])
+        wait_for(lambda: len(fold(subscribers["admin"].messages)) == 20)
+        time.sleep(0.3)
+        assert subscribers["anonymous"].messages == [] and subscribers["tenant"].messages == []
+        assert fold(replayed_with(publisher.replay_endpoint, ADMIN)) == fold(subscribers["admin"].messages)
+        with pytest.raises(AssertionError, match="no end marker"):  # its handshake fails: no answer at all
+            replay(publisher.replay_endpoint, (0).to_bytes(8, "big"), wait_ms=500)
+        samples = {name: value for name, _, _, labels, value in publisher.samples() if not labels}
+        assert samples["kvstore_master_kv_events_refused_subscribers_total"] >= 1  # the tenant (no PLAIN: no ZAP)
+    finally:
+        for subscriber in subscribers.values():
+            subscriber.close()
+        publisher.stop()
+
+
+def replayed_with(endpoint: str, token: str) -> list[tuple[bytes, int, bytes]]:
+    replies = replay(endpoint, (0).to_bytes(8, "big"), token=token)
+    return [(topic, int.from_bytes(seq, "big"), payload) for _, topic, seq, payload in replies[:-1]]
+
+
+def test_replays_past_the_budget_get_the_end_marker_alone():
+    index = PrefixIndex()
+    options = KVEventsOptions(
+        "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", flush_interval_s=0.02, replay_messages=100, replay_rate=1
+    )
+    publisher = open_publisher(options, index)
+    try:
+        index.add_node("a")
+        index.apply("a", [(f"ns{i}", [(IX_STORED, DRAM, digest(i))]) for i in range(60)])  # a message each
+        wait_for(lambda: len(replayed(publisher.replay_endpoint, 0)) >= 60)  # served: the budget held them
+        assert replayed(publisher.replay_endpoint, 0) == []  # at 1 message a second, nothing left for a second
+        samples = {name: value for name, _, _, labels, value in publisher.samples() if not labels}
+        assert samples["kvstore_master_kv_events_replays_deferred_total"] >= 1
     finally:
         publisher.stop()
 

@@ -125,6 +125,7 @@ class KVEventsOptions:
     replay_messages: int = 10_000
     replay_bytes: int = 64 << 20
     hwm: int = 100_000  # ZMQ send high-water mark: a subscriber further behind loses messages
+    replay_rate: int = 20_000  # messages replayed a second, all requesters together (a burst: replay_messages)
 
     def __post_init__(self) -> None:
         check_endpoint(self.endpoint, "--kv-events endpoint")
@@ -138,7 +139,7 @@ class KVEventsOptions:
             raise ConfigError(f"kv events hashes must be one of {', '.join(HASH_FORMATS)}, got {self.hashes!r}")
         if not self.flush_interval_s > 0:
             raise ConfigError("flush_interval_s must be positive")
-        for name in ("max_block_hashes", "max_pending", "replay_messages", "replay_bytes", "hwm"):
+        for name in ("max_block_hashes", "max_pending", "replay_messages", "replay_bytes", "hwm", "replay_rate"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer")
 
@@ -209,11 +210,12 @@ def hash_value(digest: bytes, hashes: str):
     return digest
 
 
-def open_publisher(options: KVEventsOptions, index):
-    """A started KVEventsPublisher over ``index``; ConfigError if pyzmq or msgspec is missing
-    or an endpoint cannot be bound."""
+def open_publisher(options: KVEventsOptions, index, access=None):
+    """A started KVEventsPublisher over ``index`` (with an access file, ``access``, subscribers
+    must present an admin token); ConfigError if pyzmq or msgspec is missing or an endpoint
+    cannot be bound."""
     try:
         from kvstore.master.kv_events_publisher import KVEventsPublisher
     except ImportError as exc:
         raise ConfigError(f"--kv-events needs pyzmq and msgspec: pip install 'kvstore[events]' ({exc})") from None
-    return KVEventsPublisher(options, index).start()
+    return KVEventsPublisher(options, index, access).start()

@@ -12,7 +12,16 @@ queue's wake-up descriptor and the ROUTER in one poll, flushes every
 ``flush_interval_s`` (or sooner when ``max_block_hashes`` changes wait), and
 serves replay requests from a ReplayBuffer. Its first flush is a resync
 (AllBlocksCleared, then whatever the index already holds), as is the first
-after changes were dropped. Imports pyzmq and msgspec: load it only when
+after changes were dropped.
+
+With an access file both sockets speak ZMQ's PLAIN mechanism: a subscriber
+(or replay requester) sets ``plain_username`` (any) and ``plain_password`` (an
+admin token) on its socket, and the same thread answers ZAP, ZMQ's
+authentication requests, from the access file: the feed names every tenant's
+blocks, so only admins read it; anyone else's connection fails its handshake
+and receives nothing. Replays are paced: at most ``replay_rate`` messages a
+second for all requesters together (one whole buffer at once); a request past
+that budget gets the end marker at once, to ask again later. Imports pyzmq and msgspec: load it only when
 KV events are on (kv_events.open_publisher does).
 """
 
@@ -39,6 +48,7 @@ from kvstore.master.kv_events import (
 from kvstore.master.kv_events_buffers import ChangeQueue, ReplayBuffer
 from kvstore.master.kv_events_wire import Encoder
 from kvstore.metrics import Sample
+from kvstore.security.access import ADMIN
 from kvstore_client.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -48,6 +58,8 @@ _SNAPSHOT_PAGE = 4096
 _REPLAYS_PER_WAKE = 16  # replay requests served between flushes
 _LINGER_MS = 500  # at close, how long queued messages may still go out
 _MAX_ANNOUNCED = 100_000  # namespaces remembered for the per-namespace clears of a resync
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks its context's authenticator
+ZAP_DOMAIN = "kvstore-kv-events"
 
 
 def _bind(sock: zmq.Socket, endpoint: str) -> str:
@@ -61,9 +73,13 @@ def _bind(sock: zmq.Socket, endpoint: str) -> str:
 class KVEventsPublisher:
     """Publishes a PrefixIndex's changes as vLLM KV events (see the module doc). Thread-safe."""
 
-    def __init__(self, options: KVEventsOptions, index: PrefixIndex):
+    def __init__(self, options: KVEventsOptions, index: PrefixIndex, access=None):
         self._options = options
         self._index = index
+        self._access = access  # an AccessList: subscribers present an admin token (None: anyone on the endpoint)
+        self._zap: zmq.Socket | None = None
+        self._replay_tokens = float(options.replay_messages)  # the replay budget: a whole buffer at once
+        self._replay_refilled = time.monotonic()
         self._queue = ChangeQueue(options.max_pending, wake_at=options.max_block_hashes)
         self._buffer = ReplayBuffer(options.replay_messages, options.replay_bytes)
         self._encoder = Encoder(options.hashes)
@@ -85,7 +101,9 @@ class KVEventsPublisher:
         self._blocks = {STORED: 0, REMOVED: 0}
         self._resyncs = 0
         self._replay_requests = 0
+        self._replay_deferred = 0
         self._bad_requests = 0
+        self._refused_subscribers = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> KVEventsPublisher:
@@ -94,15 +112,21 @@ class KVEventsPublisher:
         self._ctx = zmq.Context()
         what = "--kv-events"
         try:
+            if self._access is not None:  # bound first: no connection gets in before it answers
+                self._zap = self._ctx.socket(zmq.REP)
+                self._zap.setsockopt(zmq.LINGER, 0)
+                self._zap.bind(ZAP_ENDPOINT)
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, options.hwm)
             self._pub.setsockopt(zmq.LINGER, _LINGER_MS)
+            self._guard(self._pub)
             self.endpoint = _bind(self._pub, options.endpoint)
             if options.replay_endpoint is not None:
                 what = "--kv-events-replay"
                 self._router = self._ctx.socket(zmq.ROUTER)
                 self._router.setsockopt(zmq.SNDHWM, options.replay_messages + 1)  # a whole replay, end marker too
                 self._router.setsockopt(zmq.LINGER, 0)
+                self._guard(self._router)
                 self.replay_endpoint = _bind(self._router, options.replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
@@ -131,11 +155,17 @@ class KVEventsPublisher:
         self._close_sockets()
         self._queue.close()
 
+    def _guard(self, sock: zmq.Socket) -> None:
+        """With an access file: make ``sock`` ask the ZAP handler about every peer (PLAIN)."""
+        if self._zap is not None:
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
+            sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+
     def _close_sockets(self) -> None:
-        for sock in (self._pub, self._router):
+        for sock in (self._pub, self._router, self._zap):
             if sock is not None:
                 sock.close()
-        self._pub = self._router = None
+        self._pub = self._router = self._zap = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -147,12 +177,16 @@ class KVEventsPublisher:
         poller.register(wake_fd, zmq.POLLIN)
         if self._router is not None:
             poller.register(self._router, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap, zmq.POLLIN)
         interval = self._options.flush_interval_s
         next_flush = time.monotonic()
         while True:
             timeout_ms = max(0.0, next_flush - time.monotonic()) * 1000
             try:
                 ready = dict(poller.poll(timeout_ms))
+                if self._zap is not None and self._zap in ready:
+                    self._serve_zap()
                 if self._router is not None and self._router in ready:
                     try:
                         self._serve_replays()
@@ -270,10 +304,47 @@ class KVEventsPublisher:
                     self._reply(frames[0], b"", END_SEQ, b"")
                 continue
             identity, _, start = frames
-            for seq, topic, payload in self._buffer.since(int.from_bytes(start, "big")):
+            messages = list(self._buffer.since(int.from_bytes(start, "big")))
+            if not self._afford(len(messages)):
+                self._replay_deferred += 1
+                messages = []  # over the replay budget: the end marker alone, to ask again later
+            for seq, topic, payload in messages:
                 if not self._reply(identity, topic, seq.to_bytes(8, "big"), payload):
                     break
             self._reply(identity, b"", END_SEQ, b"")
+
+    def _afford(self, messages: int) -> bool:
+        """Take ``messages`` from the replay budget (``replay_rate`` a second, at most a whole
+        buffer banked); False when it does not hold them now."""
+        now = time.monotonic()
+        options = self._options
+        self._replay_tokens = min(
+            float(options.replay_messages), self._replay_tokens + (now - self._replay_refilled) * options.replay_rate
+        )
+        self._replay_refilled = now
+        if messages > self._replay_tokens:
+            return False
+        self._replay_tokens -= messages
+        return True
+
+    def _serve_zap(self) -> None:
+        """Answer ZMQ's authentication requests (ZAP 1.0): PLAIN with an admin token, else 400."""
+        for _ in range(_REPLAYS_PER_WAKE):
+            try:
+                frames = self._zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            version, request_id = (frames + [b"", b""])[:2]
+            principal = None
+            if len(frames) == 8 and version == b"1.0" and frames[5] == b"PLAIN":
+                principal = self._access.bearer(frames[7].decode("utf-8", "replace"))
+            if principal is not None and principal.role == ADMIN:
+                self._zap.send_multipart([b"1.0", request_id, b"200", b"OK", principal.name.encode(), b""])
+                continue
+            self._refused_subscribers += 1
+            if self._refused_subscribers == 1:
+                log.warning("refused a KV events subscriber without an admin token (later ones only counted)")
+            self._zap.send_multipart([b"1.0", request_id, b"400", b"an admin token is required", b"", b""])
 
     def _reply(self, identity: bytes, topic: bytes, seq: bytes, payload: bytes) -> bool:
         try:
@@ -337,6 +408,20 @@ class KVEventsPublisher:
                 "counter",
                 {},
                 self._replay_requests,
+            ),
+            (
+                "kvstore_master_kv_events_replays_deferred_total",
+                "Replay requests answered with the end marker alone: over the replay budget (replay_rate).",
+                "counter",
+                {},
+                self._replay_deferred,
+            ),
+            (
+                "kvstore_master_kv_events_refused_subscribers_total",
+                "Connections to the KV events sockets refused for want of an admin token (with an access file).",
+                "counter",
+                {},
+                self._refused_subscribers,
             ),
             (
                 "kvstore_master_kv_events_replay_buffer_messages",

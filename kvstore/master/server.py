@@ -132,7 +132,7 @@ class MasterServer:
     def start(self) -> MasterServer:
         """Bind, start serving and sweeping; returns self. ConfigError if a port is taken."""
         if self._kv_events_options is not None:  # first: the index is empty, and a bad endpoint starts nothing
-            self._kv_events = open_publisher(self._kv_events_options, self.index)
+            self._kv_events = open_publisher(self._kv_events_options, self.index, self.access)
         try:
             self._start_serving()
         except BaseException:
