@@ -104,6 +104,19 @@ def time_socket(port: int, calls: int, gap: float) -> float:
     return _median_us(out)
 
 
+def join_placeholder_node(master: str, node_id: str) -> None:
+    """Register ``node_id`` with the master, as a node would: the conductor takes engines only on
+    live nodes. No node process runs (the calls timed here move no blocks); it stays registered
+    for the master's --ttl, and engines on it stay after that."""
+    import grpc
+
+    from kvstore_client.proto import kvstore_pb2 as pb
+    from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(master) as channel:
+        pb_grpc.MasterStub(channel).Register(pb.RegisterRequest(info=pb.NodeInfo(node_id=node_id)), timeout=10)
+
+
 def run(calls: int, runs: int, gap_ms: float, workdir: str) -> dict:
     from kvstore_client import Client
 
@@ -114,6 +127,7 @@ def run(calls: int, runs: int, gap_ms: float, workdir: str) -> dict:
     try:
         echo_port = int(echo.stdout.readline())
         with Client(record["master"]) as client:
+            join_placeholder_node(record["master"], "node-1")
             client.scheduling.register_engine(NS, "P", "prefill", "node-1")
             client.scheduling.register_engine(NS, "D", "decode", "node-1")
             paced: dict = {}

@@ -21,6 +21,7 @@ from kvstore_client.scheduling import SchedulingCalls, rejection_of
 
 NS = "model-a"
 KEYS = BlockHasher(NS, 16).keys(list(range(64)))
+NODES = ("node-p0", "node-p1", "node-d0")  # the storage nodes engines() puts its engines on
 
 
 @pytest.fixture
@@ -30,7 +31,10 @@ def serve():
 
     def start(**options):
         clock = SimClock()
-        servicer = ConductorServicer(PrefixIndex(), None, SchedulingOptions(**options), lambda *a: None, clock=clock)
+        index = PrefixIndex()
+        for node_id in NODES:  # engines go only on nodes the master knows
+            index.add_node(node_id)
+        servicer = ConductorServicer(index, None, SchedulingOptions(**options), lambda *a: None, clock=clock)
         server = grpc.server(ThreadPoolExecutor(max_workers=2))
         pb_grpc.add_ConductorServicer_to_server(servicer, server)
         address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"

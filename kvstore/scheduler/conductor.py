@@ -19,6 +19,12 @@ forgets an engine and ends the requests in flight on it. A request with no
 report for ``request_ttl`` seconds (a lost engine or client) expires, as if
 cancelled; expiry runs lazily, at the next call, on the conductor's clock.
 
+What a conductor holds is bounded: at most ``max_requests`` requests in flight,
+and, given a :class:`~kvstore.scheduler.ledger.Ledger` (``budget``), each
+request counts against its ``owner``'s requests in flight over every namespace
+until it ends. Deadlines of ended requests are dropped from the expiry heap
+once they outnumber the live ones, so scheduling and cancelling keeps nothing.
+
 The conductor decides; it moves no bytes. A Decision that fetches lists the
 blocks to replicate to the chosen instance's node (hotspot migration); the
 caller (the master's gRPC adapter live, the simulated nodes in replay) copies
@@ -48,6 +54,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.scheduler.admission import DecodeLoadPredictor, make_admission
 from kvstore.scheduler.clock import Clock, MonotonicClock
 from kvstore.scheduler.cost_model import CostModel
+from kvstore.scheduler.ledger import Ledger, Owner
 from kvstore.scheduler.policies import PrefillChoice, Prefix, decode_fit, make_prefill_policy, select_decode
 from kvstore.scheduler.prefix import PrefixMatcher
 from kvstore.scheduler.registry import Registry
@@ -63,7 +70,7 @@ class RejectReason(str, Enum):
     DECODE_OVERLOADED = "decode_overloaded"  # the decode instance (pool, at arrival) is at its limit now
     DECODE_PREDICTED = "decode_predicted_overloaded"  # predicted decode load too high at arrival in decode
     NO_INSTANCE = "no_instance"  # no prefill or decode instance registered
-    TOO_MANY_REQUESTS = "too_many_requests"  # max_requests already in flight: memory stays bounded
+    TOO_MANY_REQUESTS = "too_many_requests"  # max_requests, or the owner's limit, in flight: memory stays bounded
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,7 @@ class _Request:
     paired: str | None = None  # decode instance chosen at arrival
     decode: str | None = None  # decode instance running it
     deadline: float = INF  # expires then unless reported again (request_ttl after the last report)
+    owner: Owner | None = None  # charged for it in the budget until it ends
 
 
 class Conductor:
@@ -145,12 +153,14 @@ class Conductor:
         balancing_threshold: int = 0,
         request_ttl: float = INF,
         max_requests: int = DEFAULT_MAX_REQUESTS,
+        budget: Ledger | None = None,
     ) -> None:
         if not request_ttl > 0:
             raise ConfigError(f"request_ttl must be positive, got {request_ttl}")
         if max_requests < 1:
             raise ConfigError(f"max_requests must be at least 1, got {max_requests}")
         self.max_requests = int(max_requests)
+        self.budget = budget  # counts each owner's requests in flight over every namespace
         self.index = index
         self.cost = cost or CostModel()
         self.policy = make_prefill_policy(policy, seed=seed, balancing_threshold=balancing_threshold)
@@ -243,11 +253,13 @@ class Conductor:
         now: float | None = None,
         request_id=None,
         start_prefill: bool = False,
+        owner: Owner | None = None,
     ) -> Decision | Rejected:
         """Place one request (Algorithm 1 + admission). ``block_keys``: the request's chained block
         digests (bytes) or engine hash ids (ints / hex), one per ``block_tokens`` tokens.
         ``start_prefill``: the caller sends it to the prefill instance at once (as a router does),
-        so it starts there now, as on a ``prefill_started`` report, one call fewer."""
+        so it starts there now, as on a ``prefill_started`` report, one call fewer. ``owner``: whom
+        the request counts against in the budget (TOO_MANY_REQUESTS past its limit)."""
         now = self._now(now)
         if input_len < 0 or output_len < 0:
             raise InvalidRequest("input_len and output_len cannot be negative")
@@ -273,12 +285,12 @@ class Conductor:
                 return Rejected(request_id, RejectReason.NO_INSTANCE, "arrival", detail="no prefill instance")
             placement = self.policy.choose(int(input_len), prefix, instances, self.cost, now)
             pick = select_decode(self.registry.decode_instances(), tokens, self.cost)
-            rejected = self._arrival_check(request_id, placement, pick, tokens, now)
+            rejected = self._arrival_check(request_id, placement, pick, tokens, now) or self._admit(request_id, owner)
             if rejected is not None:
                 return rejected
             inst = placement.instance
             self.registry.assign_prefill(inst, request_id, placement.service_s)
-            req = self._requests[request_id] = _Request(inst.instance_id, tokens)
+            req = self._requests[request_id] = _Request(inst.instance_id, tokens, owner=owner)
             self._touch(request_id, req, now)
             if pick.instance is not None:
                 self.registry.reserve_decode(pick.instance, request_id, tokens)
@@ -287,6 +299,11 @@ class Conductor:
             if start_prefill:
                 self.registry.start_prefill(inst, request_id, now)
         return self._decision(request_id, placement, pick, digests, input_len)
+
+    def _admit(self, request_id, owner: Owner | None) -> Rejected | None:
+        """Count the request against its owner's requests in flight; a rejection past the limit."""
+        why = self.budget.admit(owner) if self.budget is not None and owner is not None else None
+        return None if why is None else Rejected(request_id, RejectReason.TOO_MANY_REQUESTS, "arrival", detail=why)
 
     def _arrival_check(self, request_id, placement: PrefillChoice, pick, tokens: int, now: float) -> Rejected | None:
         adm = self.admission
@@ -379,7 +396,7 @@ class Conductor:
                     detail=f"{pick.instance.instance_id} load {pick.load:.2f} >= 1",
                 )
             if reject is not None:
-                del self._requests[request_id]
+                self._pop(request_id)
                 self.predictor.finished(request_id)
                 return reject
             self.registry.assign_decode(pick.instance, request_id, req.tokens)
@@ -392,7 +409,7 @@ class Conductor:
         now = self._now(now)
         with self._lock:
             self._expire(now)
-            req = self._requests.pop(request_id, None)
+            req = self._pop(request_id)
             if req is None:
                 return
             if req.decode is not None and req.decode in self.registry.decode:
@@ -417,9 +434,35 @@ class Conductor:
         with self._lock:
             return len(self._requests)
 
+    def engines(self) -> int:
+        """Engines registered, prefill and decode."""
+        with self._lock:
+            return len(self.registry.prefill) + len(self.registry.decode)
+
+    def footprint(self) -> dict:
+        """How many entries this conductor holds: engines, requests in flight, expiry deadlines."""
+        with self._lock:
+            engines = len(self.registry.prefill) + len(self.registry.decode)
+            return {"engines": engines, "requests": len(self._requests), "deadlines": len(self._deadlines)}
+
+    def close(self) -> int:
+        """End every request in flight (their charges go back to the budget); how many. For a
+        conductor its owner drops (the last engine left)."""
+        with self._lock:
+            ended = [rid for rid in list(self._requests) if self._end(rid)]
+            self._deadlines.clear()
+            return len(ended)
+
+    def _pop(self, request_id) -> _Request | None:
+        """Take a request out of the table, and its charge out of its owner's budget."""
+        req = self._requests.pop(request_id, None)
+        if req is not None and req.owner is not None and self.budget is not None:
+            self.budget.release(req.owner)
+        return req
+
     def _end(self, request_id) -> bool:
         """Drop a request from every instance's books (cancel, expiry, deregistration)."""
-        req = self._requests.pop(request_id, None)
+        req = self._pop(request_id)
         if req is None:
             return False
         if req.prefill in self.registry.prefill:
@@ -436,6 +479,15 @@ class Conductor:
         if self.request_ttl != INF:
             req.deadline = now + self.request_ttl
             heapq.heappush(self._deadlines, (req.deadline, next(self._seq), request_id))
+            if len(self._deadlines) > 2 * len(self._requests) + 64:
+                self._compact_deadlines()
+
+    def _compact_deadlines(self) -> None:
+        """Rebuild the expiry heap from the live requests: entries of ended or re-reported ones
+        would otherwise stay until their deadline (an hour by default). Amortised O(1) a push."""
+        live = [(r.deadline, next(self._seq), rid) for rid, r in self._requests.items() if r.deadline != INF]
+        heapq.heapify(live)
+        self._deadlines = live
 
     def _expire(self, now: float) -> int:
         n = 0
