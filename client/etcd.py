@@ -39,7 +39,7 @@ import socket
 import ssl
 import threading
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Sequence, TypeAlias
 
 import grpc
 
@@ -173,38 +173,21 @@ class Etcd:
 
     def create(self, key: bytes, value: bytes, lease: int) -> tuple[bool, KeyValue | None]:
         """Put ``key`` = ``value`` on ``lease`` if the key does not exist: (created, the key as it is now)."""
-        reply = self._call(
-            "kv",
-            "Txn",
-            rpc_pb2.TxnRequest(
-                compare=[
-                    rpc_pb2.Compare(
-                        key=key, target=rpc_pb2.Compare.CREATE, result=rpc_pb2.Compare.EQUAL, create_revision=0
-                    )
-                ],
-                success=[
-                    rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease)),
-                    rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key)),
-                ],
-                failure=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key))],
-            ),
+        read = rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key))
+        reply = self._txn(
+            rpc_pb2.Compare(key=key, target=rpc_pb2.Compare.CREATE, result=rpc_pb2.Compare.EQUAL, create_revision=0),
+            [rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease)), read],
+            [read],
         )
         kvs = reply.responses[-1].response_range.kvs
         return reply.succeeded, (kvs[0] if kvs else None)
 
     def delete_if_lease(self, key: bytes, lease: int) -> bool:
         """Delete ``key`` when it is held on ``lease``; whether it was."""
-        reply = self._call(
-            "kv",
-            "Txn",
-            rpc_pb2.TxnRequest(
-                compare=[
-                    rpc_pb2.Compare(key=key, target=rpc_pb2.Compare.LEASE, result=rpc_pb2.Compare.EQUAL, lease=lease)
-                ],
-                success=[rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=key))],
-            ),
-        )
-        return reply.succeeded
+        return self._txn(
+            rpc_pb2.Compare(key=key, target=rpc_pb2.Compare.LEASE, result=rpc_pb2.Compare.EQUAL, lease=lease),
+            [rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=key))],
+        ).succeeded
 
     def replace_if_revision(self, key: bytes, mod_revision: int, value: bytes | None, lease: int = 0) -> bool:
         """Put ``key`` = ``value`` on ``lease`` (``value`` None: delete it) only while the key is
@@ -214,19 +197,16 @@ class Etcd:
             if value is None
             else rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease))
         )
-        reply = self._call(
-            "kv",
-            "Txn",
-            rpc_pb2.TxnRequest(
-                compare=[
-                    rpc_pb2.Compare(
-                        key=key, target=rpc_pb2.Compare.MOD, result=rpc_pb2.Compare.EQUAL, mod_revision=mod_revision
-                    )
-                ],
-                success=[change],
+        return self._txn(
+            rpc_pb2.Compare(
+                key=key, target=rpc_pb2.Compare.MOD, result=rpc_pb2.Compare.EQUAL, mod_revision=mod_revision
             ),
-        )
-        return reply.succeeded
+            [change],
+        ).succeeded
+
+    def _txn(self, compare, success: list, failure: Sequence = ()):
+        """One transaction: ``success`` when ``compare`` holds, else ``failure``."""
+        return self._call("kv", "Txn", rpc_pb2.TxnRequest(compare=[compare], success=success, failure=list(failure)))
 
     # -- leases -------------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> tuple[int, int]:
