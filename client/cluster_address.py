@@ -88,6 +88,7 @@ class MasterCheck:
 
     def __init__(self, key, credentials, options: list | None = None, timeout: float = 5.0):
         self._key, self._timeout = key, timeout
+        self._warned: set[str] = set()  # addresses already logged as refused (once each: etcd writers can flood)
         self._anonymous = lambda target: dataclasses.replace(credentials, token=None, key=None).channel(target, options)
 
     def __call__(self, address: str) -> None:
@@ -107,11 +108,12 @@ class MasterCheck:
         if not hmac.compare_digest(reply.proof, master_proof(self._key.key, nonce, address)):
             raise self._refused(address, "a wrong proof" if reply.proof else "no proof (it checks no tokens)")
 
-    @staticmethod
-    def _refused(address: str, why: str) -> NoLeader:
-        log.warning(
-            "the master etcd names, %s, did not prove it holds this token's key (%s): not using it", address, why
-        )
+    def _refused(self, address: str, why: str) -> NoLeader:
+        if address not in self._warned and len(self._warned) < 1024:  # once each: etcd writers could flood the log
+            self._warned.add(address)
+            log.warning(
+                "the master etcd names, %s, did not prove it holds this token's key (%s): not using it", address, why
+            )
         return NoLeader(f"the master at {address} named by etcd could not prove it belongs to this pool ({why})")
 
 

@@ -39,6 +39,7 @@ from kvstore.master.kv_events import (
 )
 from kvstore.master.kv_events_buffers import ChangeQueue, ReplayBuffer
 from kvstore.master.kv_events_wire import Encoder
+from kvstore.security.access import AccessList
 from kvstore_client.errors import ConfigError
 from tests.processes import ROOT, start_master, start_node, wait_for
 
@@ -400,6 +401,40 @@ def test_with_an_access_file_only_an_admin_token_reads_the_events(tmp_path):
         for subscriber in subscribers.values():
             subscriber.close()
         publisher.stop()
+
+
+def test_a_reload_cuts_off_a_revoked_subscriber_and_keeps_the_others(tmp_path):
+    from tests.access_files import ACCESS_TOML, ADMIN, NS_A, write_access_file
+
+    second_admin = "admin2-token-0123456789abcdef"
+    path = write_access_file(tmp_path, ACCESS_TOML + f'\n[tokens.root2]\nsecret = "{second_admin}"\nrole = "admin"\n')
+    from kvstore.master.server import MasterServer
+
+    access = AccessList.load(str(path))
+    options = KVEventsOptions("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", hashes="bytes", flush_interval_s=0.02)
+    master = MasterServer(access=access, kv_events=options).start()
+    index = master.index
+    kept, revoked = Subscriber(master.kv_events_address, token=ADMIN), Subscriber(master.kv_events_address, token=second_admin)
+    try:
+        time.sleep(0.5)
+        index.add_node("a")
+        index.apply("a", [(NS_A, [(IX_STORED, DRAM, digest(1))])])
+        wait_for(lambda: len(fold(kept.messages)) == 1 and len(fold(revoked.messages)) == 1)
+        path.write_text(ACCESS_TOML)  # root2 leaves the file
+        assert access.reload()  # what SIGHUP does: the master's publisher binds its sockets again
+        time.sleep(1.0)  # the sockets bound again; subscribers reconnect and authenticate anew
+        before = len(revoked.messages)
+        index.apply("a", [(NS_A, [(IX_STORED, DRAM, digest(2))])])
+        wait_for(lambda: (NS_A.encode(), digest(2)) in fold(kept.messages))
+        time.sleep(0.3)
+        assert len(revoked.messages) == before  # cut off: nothing after the reload
+        assert fold(replayed_with(master.kv_events_replay_address, ADMIN))  # replays still served to the kept token
+        with pytest.raises(AssertionError, match="no end marker"):
+            replay(master.kv_events_replay_address, (0).to_bytes(8, "big"), token=second_admin, wait_ms=500)
+    finally:
+        kept.close()
+        revoked.close()
+        master.stop()
 
 
 def replayed_with(endpoint: str, token: str) -> list[tuple[bytes, int, bytes]]:

@@ -21,7 +21,11 @@ authentication requests, from the access file: the feed names every tenant's
 blocks, so only admins read it; anyone else's connection fails its handshake
 and receives nothing. Replays are paced: at most ``replay_rate`` messages a
 second for all requesters together (one whole buffer at once); a request past
-that budget gets the end marker at once, to ask again later. Imports pyzmq and msgspec: load it only when
+that budget gets the end marker at once, to ask again later. When the access
+file is reloaded (``reauthenticate``) the thread closes both sockets and binds
+them again on the same addresses: ZMQ subscribers reconnect by themselves, and
+each handshake is checked against the tokens now in force, so a revoked token's
+subscriber is cut off (subscribers may replay what they missed meanwhile). Imports pyzmq and msgspec: load it only when
 KV events are on (kv_events.open_publisher does).
 """
 
@@ -94,6 +98,7 @@ class KVEventsPublisher:
         self._announced: set[str] = set()  # namespaces with blocks stored since the last resync or emptying
         self._announced_full = False  # said once that _announced reached its bound
         self._stopping = threading.Event()
+        self._rebind_due = False  # set by reauthenticate(), done by the thread
         self._thread: threading.Thread | None = None
         # counters: written by the publisher thread only, read by metrics scrapes
         self._messages = 0
@@ -116,17 +121,11 @@ class KVEventsPublisher:
                 self._zap = self._ctx.socket(zmq.REP)
                 self._zap.setsockopt(zmq.LINGER, 0)
                 self._zap.bind(ZAP_ENDPOINT)
-            self._pub = self._ctx.socket(zmq.PUB)
-            self._pub.setsockopt(zmq.SNDHWM, options.hwm)
-            self._pub.setsockopt(zmq.LINGER, _LINGER_MS)
-            self._guard(self._pub)
+            self._pub = self._publisher_socket()
             self.endpoint = _bind(self._pub, options.endpoint)
             if options.replay_endpoint is not None:
                 what = "--kv-events-replay"
-                self._router = self._ctx.socket(zmq.ROUTER)
-                self._router.setsockopt(zmq.SNDHWM, options.replay_messages + 1)  # a whole replay, end marker too
-                self._router.setsockopt(zmq.LINGER, 0)
-                self._guard(self._router)
+                self._router = self._replay_socket()
                 self.replay_endpoint = _bind(self._router, options.replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
@@ -154,6 +153,60 @@ class KVEventsPublisher:
             self._thread = None
         self._close_sockets()
         self._queue.close()
+
+    def _publisher_socket(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, self._options.hwm)
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        self._guard(sock)
+        return sock
+
+    def _replay_socket(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.SNDHWM, self._options.replay_messages + 1)  # a whole replay, end marker too
+        sock.setsockopt(zmq.LINGER, 0)
+        self._guard(sock)
+        return sock
+
+    def reauthenticate(self) -> None:
+        """The access file was reloaded: make every subscriber and replay requester connect and
+        authenticate again (their sockets do so by themselves), so a revoked token is cut off."""
+        if self._access is not None:
+            self._rebind_due = True
+            self._queue.wake()
+
+    def _rebind(self, poller: zmq.Poller) -> None:
+        """Close both sockets and bind new ones at the addresses bound before (on the thread)."""
+        self._rebind_due = False
+        old = [(self._pub, self.endpoint, self._publisher_socket)]
+        if self._router is not None:
+            old.append((self._router, self.replay_endpoint, self._replay_socket))
+        fresh = []
+        for sock, endpoint, make in old:
+            if sock is self._router:
+                poller.unregister(sock)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.close()
+            fresh.append(self._bind_again(make, endpoint))
+        self._pub = fresh[0]
+        if self._router is not None:
+            self._router = fresh[1]
+            poller.register(self._router, zmq.POLLIN)
+        log.warning("access file reloaded: KV event subscribers connect and authenticate again")
+
+    def _bind_again(self, make, endpoint: str) -> zmq.Socket:
+        """A new socket bound at ``endpoint``, once ZMQ has let the closed one's port go."""
+        error = None
+        for _ in range(50):  # up to a second
+            sock = make()
+            try:
+                sock.bind(endpoint)
+                return sock
+            except zmq.ZMQError as exc:
+                sock.close(0)
+                error = exc
+                time.sleep(0.02)
+        raise ConfigError(f"KV events: cannot bind {endpoint} again after the access file was reloaded: {error}")
 
     def _guard(self, sock: zmq.Socket) -> None:
         """With an access file: make ``sock`` ask the ZAP handler about every peer (PLAIN)."""
@@ -185,6 +238,9 @@ class KVEventsPublisher:
             timeout_ms = max(0.0, next_flush - time.monotonic()) * 1000
             try:
                 ready = dict(poller.poll(timeout_ms))
+                if self._rebind_due:
+                    self._rebind(poller)
+                    continue
                 if self._zap is not None and self._zap in ready:
                     self._serve_zap()
                 if self._router is not None and self._router in ready:

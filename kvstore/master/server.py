@@ -171,8 +171,10 @@ class MasterServer:
 
     def _access_changed(self) -> None:
         """The access file was reloaded: calls check the new tokens from now on (the gate looks
-        each up); quotas and the key that signs the leader key follow it."""
+        each up); quotas, the KV event subscribers and the key that signs the leader key follow it."""
         self.quotas.retarget(self.access)
+        if self._kv_events is not None:
+            self._kv_events.reauthenticate()
         if self.election is not None:
             self.election.pool_key = self.access.pool_key()
 
