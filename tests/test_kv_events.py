@@ -414,7 +414,10 @@ def test_a_reload_cuts_off_a_revoked_subscriber_and_keeps_the_others(tmp_path):
     options = KVEventsOptions("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", hashes="bytes", flush_interval_s=0.02)
     master = MasterServer(access=access, kv_events=options).start()
     index = master.index
-    kept, revoked = Subscriber(master.kv_events_address, token=ADMIN), Subscriber(master.kv_events_address, token=second_admin)
+    kept, revoked = (
+        Subscriber(master.kv_events_address, token=ADMIN),
+        Subscriber(master.kv_events_address, token=second_admin),
+    )
     try:
         time.sleep(0.5)
         index.add_node("a")
