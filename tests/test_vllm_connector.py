@@ -90,13 +90,13 @@ def reference(engines: Engines, dtype: str) -> dict:
     return _references[dtype]
 
 
-def assert_same_answers(got: dict, want: dict, dtype: str) -> None:
+def assert_same_answers(got: dict, want: dict, dtype: str, tolerance: float | None = None) -> None:
     for g, w in zip(got["outputs"], want["outputs"], strict=True):
         assert g["tokens"] == w["tokens"]
         for g_step, w_step in zip(g["logprobs"], w["logprobs"], strict=True):
             assert g_step.keys() == w_step.keys()
             for token, logprob in w_step.items():
-                assert g_step[token] == pytest.approx(logprob, abs=LOGPROB_TOLERANCE[dtype])
+                assert g_step[token] == pytest.approx(logprob, abs=tolerance or LOGPROB_TOLERANCE[dtype])
 
 
 def loadable(prompt: list[int], block_size: int) -> int:
@@ -273,7 +273,10 @@ def test_a_paused_master_costs_lookups_their_budget_not_requests_their_timeout(e
         finally:
             master.proc.send_signal(signal.SIGCONT)
         assert [o["cached"] for o in paused["outputs"]] == [0] * len(PROMPTS)  # computed without the pool
-        assert_same_answers(paused, want, "float32")
+        # Tokens exactly a plain engine's; logprobs within 1e-3: each lookup spends its budget in the
+        # scheduler's step, so the prompts may be batched otherwise than the reference's (an fp32 sum
+        # in another order), as here once in a full run (1.4e-4 apart).
+        assert_same_answers(paused, want, "float32", tolerance=1e-3)
         assert took < 10, f"a request waited {took:.1f} s: as long as a lookup's timeout, not its budget"
         hits = []
         for prompt in later:  # after the pause the connector asks again, within seconds
