@@ -172,8 +172,10 @@ def run(connections: int, trickle: float, reopen_rate: float, calls: int, workdi
             client.scheduling.register_engine(namespace, "D", "decode", node_id)
         data, conductor = node.record["data"], master.record["conductor"]
         idle = measure(data, conductor, namespace, calls)
-        receiver, sender = multiprocessing.Pipe(duplex=False)
-        flooder = multiprocessing.Process(
+        # spawned, not forked: a fresh interpreter, without the signal handlers or threads of its parent
+        context = multiprocessing.get_context("spawn")
+        receiver, sender = context.Pipe(duplex=False)
+        flooder = context.Process(
             target=flood, args=([data, conductor], connections, trickle, reopen_rate, 3600.0, sender), daemon=True
         )
         flooder.start()
@@ -181,6 +183,9 @@ def run(connections: int, trickle: float, reopen_rate: float, calls: int, workdi
         flooded = measure(data, conductor, namespace, calls)
         flooder.terminate()
         flooder.join(10)
+        if flooder.is_alive():
+            flooder.kill()
+            flooder.join(10)
         result = {"connections_per_listener": connections, "trickle_s": trickle, "idle": idle, "flood": flooded}
         for op in ("get", "connect", "schedule"):
             if "p99_ms" in idle[op] and "p99_ms" in flooded[op]:
