@@ -4,7 +4,11 @@ benchmark's business; this checks it runs and reports what it says it does)."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.preauth_flood import run
+
+pytestmark = pytest.mark.slow  # thousands of sockets and three processes: with the benchmarks, not in every run
 
 
 def test_the_flood_benchmark_measures_every_operation_idle_and_flooded(tmp_path):
